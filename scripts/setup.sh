@@ -1,0 +1,25 @@
+#!/usr/bin/env bash
+# Create .venv and install ddpkit into it: the CPU build of torch first (so pip never pulls a
+# multi-GB CUDA build on a CPU machine), then the package with the digits and test extras.
+#   bash scripts/setup.sh            # idempotent; re-run after pulling
+# torch comes from a local wheel when pip's find-links has one (this project's CI machines), else
+# from PyTorch's CPU index. On a GPU machine, set DDPKIT_TORCH_SPEC="" and install the CUDA torch
+# you need into .venv yourself.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PYTHON="${PYTHON:-python3}"
+TORCH_SPEC="${DDPKIT_TORCH_SPEC-torch==2.13.0}"
+if [ ! -x .venv/bin/python ]; then
+  "$PYTHON" -m venv .venv
+fi
+PIP=(.venv/bin/python -m pip install --quiet --disable-pip-version-check)
+if [ -n "$TORCH_SPEC" ] && ! .venv/bin/python -c "import torch" 2>/dev/null; then
+  if "${PIP[@]}" --no-index --no-deps "$TORCH_SPEC" 2>/dev/null; then
+    "${PIP[@]}" "$TORCH_SPEC"   # its dependencies, from the package index
+  else
+    "${PIP[@]}" "$TORCH_SPEC" --index-url https://download.pytorch.org/whl/cpu \
+      --extra-index-url https://pypi.org/simple
+  fi
+fi
+"${PIP[@]}" -e ".[digits,test]"
+.venv/bin/python -c "import torch, ddpkit; print(f'ddpkit {ddpkit.__version__} with torch {torch.__version__} in .venv')"

@@ -1,0 +1,57 @@
+"""ddpkit: PyTorch distributed data-parallel training, correct by default.
+
+The public API (everything else is internal)::
+
+    import ddpkit
+    with ddpkit.init_runtime() as rt:                       # rank, world size, device, groups
+        ddpkit.configure_logging(rt.info)                   # info once, warnings with [rank r/N]
+        model = ddpkit.wrap_model(Net(), rt)                # DDP when world_size > 1
+        loader = ddpkit.build_train_loader(train_set, rt, batch_size=64, seed=0)
+        for epoch in range(3):
+            for x, y in loader:                             # the sampler epoch advances itself
+                ...
+        metrics = ddpkit.evaluate(model, ddpkit.build_eval_loader(test_set, rt, 1000), rt)
+
+Launch with ``ddpkit run -n 2 train.py`` or ``torchrun --nproc-per-node 2 train.py``.
+"""
+
+from ddpkit.distributed.collectives import all_reduce_sum, barrier
+from ddpkit.distributed.env import ProcessInfo, detect_process_info
+from ddpkit.distributed.process_group import Runtime, init_runtime, resolve_backend
+from ddpkit.distributed.sampler import (
+    ShardedLoader,
+    UnpaddedDistributedSampler,
+    build_eval_loader,
+    build_train_loader,
+)
+from ddpkit.errors import ConfigError, DataError, DdpkitError, DistributedError, LaunchError
+from ddpkit.log import configure_logging, get_logger
+from ddpkit.parallel.wrap import model_state_dict, unwrap_model, wrap_model
+from ddpkit.training.evaluate import evaluate
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "ConfigError",
+    "DataError",
+    "DdpkitError",
+    "DistributedError",
+    "LaunchError",
+    "ProcessInfo",
+    "Runtime",
+    "ShardedLoader",
+    "UnpaddedDistributedSampler",
+    "all_reduce_sum",
+    "barrier",
+    "build_eval_loader",
+    "build_train_loader",
+    "configure_logging",
+    "detect_process_info",
+    "evaluate",
+    "get_logger",
+    "init_runtime",
+    "model_state_dict",
+    "resolve_backend",
+    "unwrap_model",
+    "wrap_model",
+]

@@ -1,0 +1,43 @@
+"""``ddpkit`` command line: one module per subcommand, each with ``add_parser`` and ``run``."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import NoReturn, Sequence
+
+from ddpkit.errors import DdpkitError
+
+
+class OneLineParser(argparse.ArgumentParser):
+    """An ``ArgumentParser`` whose usage errors are a single line (and exit status 2)."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message}. See '{self.prog} --help'.\n")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from ddpkit.cli import run as run_cmd
+    from ddpkit.cli import train as train_cmd
+
+    parser = OneLineParser(
+        prog="ddpkit",
+        description="PyTorch distributed data-parallel training, correct by default.",
+    )
+    subparsers = parser.add_subparsers(dest="command", required=True, parser_class=OneLineParser)
+    for module in (train_cmd, run_cmd):
+        module.add_parser(subparsers)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of the ``ddpkit`` console script; returns the exit status.
+
+    User mistakes (``DdpkitError``: bad flags, missing files) print one line and return 2.
+    """
+    args = build_parser().parse_args(argv)
+    try:
+        return int(args.handler(args) or 0)
+    except DdpkitError as exc:
+        print(f"ddpkit {args.command}: error: {exc}", file=sys.stderr)
+        return 2

@@ -1,0 +1,140 @@
+"""``ddpkit train``: the MNIST CNN with DDP on N local processes (the main job).
+
+The command validates everything and resolves the data *before* any worker starts, then either
+launches N ranks through ``ddpkit run`` (which re-enter this command as workers), or — when it is
+already inside a launched job (``torchrun -m ddpkit train``) — trains in this process.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+from dataclasses import fields
+from pathlib import Path
+
+import torch
+
+from ddpkit.errors import ConfigError
+from ddpkit.examples.mnist import OPTIMIZERS, TrainConfig, train_mnist
+from ddpkit.examples.mnist_data import DataSource, resolve_data
+from ddpkit.launch.launcher import LaunchSpec, launch
+
+WORKER_FLAG = "--_worker"
+
+
+def default_nproc() -> int:
+    """One process per GPU on CUDA, else 2."""
+    return torch.cuda.device_count() if torch.cuda.is_available() else 2
+
+
+def add_parser(subparsers: argparse._SubParsersAction) -> None:
+    defaults = TrainConfig()
+    parser = subparsers.add_parser(
+        "train",
+        help="train the MNIST CNN with DDP on N local processes",
+        description="Train a small CNN on MNIST (1x28x28 inputs, 10 classes) with "
+        "DistributedDataParallel. Prints per-epoch train loss, test loss, test accuracy and "
+        "samples/s; writes metrics.jsonl, summary.json and model.pt to --output-dir.",
+    )
+    parser.add_argument("--nproc", type=int, default=None, metavar="N",
+                        help="local processes (default: one per GPU on CUDA, else 2)")
+    parser.add_argument("--epochs", type=int, default=defaults.epochs, help="passes over the data")
+    parser.add_argument("--batch-size", type=int, default=defaults.batch_size, metavar="B",
+                        help=f"samples per rank per step (default {defaults.batch_size}); "
+                        "global batch = B x world size")
+    parser.add_argument("--lr", type=float, default=defaults.lr,
+                        help=f"peak learning rate of the one-cycle schedule (default {defaults.lr})")
+    parser.add_argument("--optimizer", choices=OPTIMIZERS, default=defaults.optimizer)
+    parser.add_argument("--seed", type=int, default=defaults.seed,
+                        help="seed of model init and data order (same on every rank)")
+    parser.add_argument("--dataset", choices=("auto", "mnist", "digits"), default="auto",
+                        help="auto: MNIST (data dir, cache or download), else the 8x8 digits")
+    parser.add_argument("--data-dir", default=None, metavar="DIR",
+                        help="folder holding the four MNIST IDX files (raw or .gz)")
+    parser.add_argument("--no-download", action="store_true",
+                        help="never download MNIST; use the cache or --data-dir")
+    parser.add_argument("--output-dir", default=defaults.output_dir, metavar="DIR",
+                        help=f"where outputs go (default {defaults.output_dir})")
+    parser.add_argument("--backend", choices=("auto", "gloo", "nccl"), default="auto",
+                        help="auto: nccl when each local rank has a GPU, else gloo")
+    parser.add_argument("--init-timeout", type=float, default=300.0, metavar="SECONDS",
+                        help="how long ranks wait for each other to join (default 300)")
+    parser.add_argument("--train-timeout", type=float, default=1800.0, metavar="SECONDS",
+                        help="how long one collective may wait (default 1800)")
+    parser.add_argument("--max-steps", type=int, default=0, metavar="S",
+                        help="stop each epoch after S steps (0 = whole epoch); for quick checks")
+    parser.add_argument(WORKER_FLAG, action="store_true", help=argparse.SUPPRESS)
+    parser.set_defaults(handler=run)
+
+
+def config_from_args(args: argparse.Namespace) -> TrainConfig:
+    """Build and validate the config; one :class:`ConfigError` lists every problem."""
+    problems = []
+    for name in ("epochs", "batch_size"):
+        if getattr(args, name) < 1:
+            problems.append(f"--{name.replace('_', '-')} {getattr(args, name)} must be >= 1")
+    if args.nproc is not None and args.nproc < 1:
+        problems.append(f"--nproc {args.nproc} must be >= 1")
+    if not args.lr > 0:
+        problems.append(f"--lr {args.lr} must be > 0")
+    if args.max_steps < 0:
+        problems.append(f"--max-steps {args.max_steps} must be >= 0")
+    for name in ("init_timeout", "train_timeout"):
+        if not getattr(args, name) > 0:
+            problems.append(f"--{name.replace('_', '-')} {getattr(args, name)} must be > 0")
+    problem = _output_dir_problem(Path(args.output_dir))
+    if problem:
+        problems.append(problem)
+    if problems:
+        raise ConfigError(f"invalid arguments: {'; '.join(problems)}")
+    return TrainConfig(**{f.name: getattr(args, f.name) for f in fields(TrainConfig)})
+
+
+def _output_dir_problem(path: Path) -> str | None:
+    """Why ``path`` cannot be an output folder, checked without creating anything."""
+    probe = path.expanduser().absolute()
+    while not probe.exists():
+        probe = probe.parent
+    if not probe.is_dir():
+        return f"--output-dir {path} is not usable: {probe} is a file, not a folder"
+    if not os.access(probe, os.W_OK | os.X_OK):
+        return f"--output-dir {path} is not writable (no write permission on {probe})"
+    return None
+
+
+def _worker_argv(args: argparse.Namespace, source: DataSource) -> list[str]:
+    argv = ["-m", "ddpkit", "train", WORKER_FLAG, "--dataset", source.dataset]
+    if source.directory is not None:
+        argv += ["--data-dir", str(source.directory)]
+    for name in ("epochs", "batch_size", "lr", "optimizer", "seed", "output_dir", "backend",
+                 "init_timeout", "train_timeout", "max_steps"):
+        argv += [f"--{name.replace('_', '-')}", str(getattr(args, name))]
+    return argv
+
+
+def _train_here(args: argparse.Namespace, config: TrainConfig, source: DataSource) -> int:
+    from ddpkit.distributed.process_group import init_runtime
+    from ddpkit.log import configure_logging, get_logger
+
+    with init_runtime(args.backend, args.init_timeout, args.train_timeout) as runtime:
+        configure_logging(runtime.info)
+        if source.note and not args._worker:
+            get_logger("train").info(source.note)
+        train_mnist(config, runtime, source)
+    return 0
+
+
+def run(args: argparse.Namespace) -> int:
+    config = config_from_args(args)
+    if args._worker:  # a rank started by the launcher below: the parent already resolved data
+        return _train_here(args, config, resolve_data(args.dataset, args.data_dir, download=False))
+    source = resolve_data(args.dataset, args.data_dir, download=not args.no_download)
+    Path(config.output_dir).mkdir(parents=True, exist_ok=True)
+    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:  # torchrun -m ddpkit train
+        return _train_here(args, config, source)
+    nproc = args.nproc or default_nproc()
+    if nproc == 1:
+        return _train_here(args, config, source)
+    if source.note:
+        print(source.note, flush=True)
+    return launch(LaunchSpec(target=_worker_argv(args, source), nproc=nproc))

@@ -1,0 +1,149 @@
+"""Where this process sits in the job: rank, local rank, world size, node rank.
+
+Read from the launcher's environment variables, in this order:
+
+1. torchrun / ``ddpkit run`` / ``torch.distributed.run``: ``RANK``, ``WORLD_SIZE``,
+   ``LOCAL_RANK``, ``LOCAL_WORLD_SIZE``, ``GROUP_RANK`` (the node rank).
+2. Slurm ``srun`` tasks: ``SLURM_PROCID``, ``SLURM_STEP_NUM_TASKS`` (else ``SLURM_NTASKS``),
+   ``SLURM_LOCALID``, ``SLURM_NODEID``, ``SLURM_STEP_TASKS_PER_NODE``. Only used when the step has
+   more than one task, so a plain ``python train.py`` inside an allocation stays a single process.
+3. Nothing: a plain single process (rank 0 of world size 1).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from dataclasses import dataclass
+from typing import Mapping
+
+from ddpkit.errors import ConfigError
+
+
+@dataclass(frozen=True)
+class ProcessInfo:
+    """The coordinates of one process in a job.
+
+    Attributes:
+        rank: global rank, ``0 <= rank < world_size``.
+        local_rank: rank on this node, ``0 <= local_rank < local_world_size``.
+        world_size: number of processes in the job.
+        local_world_size: number of processes on this node.
+        node_rank: index of this node, ``0 <= node_rank < num_nodes``.
+        source: which launcher the values came from: ``"torchrun"``, ``"slurm"`` or ``"none"``.
+    """
+
+    rank: int = 0
+    local_rank: int = 0
+    world_size: int = 1
+    local_world_size: int = 1
+    node_rank: int = 0
+    source: str = "none"
+
+    @property
+    def is_distributed(self) -> bool:
+        """True when more than one process takes part in the job."""
+        return self.world_size > 1
+
+    @property
+    def is_rank_zero(self) -> bool:
+        """True on global rank 0, the one process that logs and writes replicated state."""
+        return self.rank == 0
+
+    @property
+    def prefix(self) -> str:
+        """``[rank r/N]``, the tag ddpkit puts in front of warnings and errors from a worker."""
+        return f"[rank {self.rank}/{self.world_size}]"
+
+
+def _int(environ: Mapping[str, str], name: str) -> int:
+    raw = environ[name]
+    try:
+        return int(raw)
+    except ValueError:
+        raise ConfigError(
+            f"invalid launcher variable: {name}={raw!r}. It must be an integer. "
+            f"Unset it or start the job with torchrun / ddpkit run."
+        ) from None
+
+
+def _slurm_tasks_per_node(environ: Mapping[str, str], node_rank: int) -> int | None:
+    """Parse ``SLURM_STEP_TASKS_PER_NODE`` such as ``"2(x3),1"`` for this node."""
+    spec = environ.get("SLURM_STEP_TASKS_PER_NODE") or environ.get("SLURM_TASKS_PER_NODE")
+    if not spec:
+        return None
+    counts: list[int] = []
+    for part in spec.split(","):
+        match = re.fullmatch(r"(\d+)(?:\(x(\d+)\))?", part.strip())
+        if match is None:
+            return None
+        counts += [int(match.group(1))] * int(match.group(2) or 1)
+    return counts[node_rank] if node_rank < len(counts) else None
+
+
+def detect_process_info(environ: Mapping[str, str] | None = None) -> ProcessInfo:
+    """Read rank, local rank, world size and node rank from the launcher's variables.
+
+    Args:
+        environ: the variables to read; ``os.environ`` when omitted.
+
+    Returns:
+        The :class:`ProcessInfo`. Without launcher variables: rank 0 of world size 1.
+
+    Raises:
+        ConfigError: a variable is not an integer, or the values contradict each other
+            (``rank >= world_size``, ``local_rank >= local_world_size``).
+
+    Example:
+        >>> detect_process_info({"RANK": "1", "WORLD_SIZE": "2", "LOCAL_RANK": "1"}).rank
+        1
+    """
+    env = os.environ if environ is None else environ
+    if "RANK" in env and "WORLD_SIZE" in env:
+        world_size = _int(env, "WORLD_SIZE")
+        local_rank = _int(env, "LOCAL_RANK") if "LOCAL_RANK" in env else 0
+        local_world_size = (
+            _int(env, "LOCAL_WORLD_SIZE") if "LOCAL_WORLD_SIZE" in env else world_size
+        )
+        info = ProcessInfo(
+            rank=_int(env, "RANK"),
+            local_rank=local_rank,
+            world_size=world_size,
+            local_world_size=local_world_size,
+            node_rank=_int(env, "GROUP_RANK") if "GROUP_RANK" in env else 0,
+            source="torchrun",
+        )
+    elif "SLURM_PROCID" in env and int(
+        env.get("SLURM_STEP_NUM_TASKS") or env.get("SLURM_NTASKS") or "1"
+    ) > 1:
+        world_size = int(env.get("SLURM_STEP_NUM_TASKS") or env["SLURM_NTASKS"])
+        node_rank = _int(env, "SLURM_NODEID") if "SLURM_NODEID" in env else 0
+        info = ProcessInfo(
+            rank=_int(env, "SLURM_PROCID"),
+            local_rank=_int(env, "SLURM_LOCALID") if "SLURM_LOCALID" in env else 0,
+            world_size=world_size,
+            local_world_size=_slurm_tasks_per_node(env, node_rank) or world_size,
+            node_rank=node_rank,
+            source="slurm",
+        )
+    else:
+        return ProcessInfo()
+    _validate(info)
+    return info
+
+
+def _validate(info: ProcessInfo) -> None:
+    problems = []
+    if info.world_size < 1:
+        problems.append(f"world_size={info.world_size} must be >= 1")
+    if not 0 <= info.rank < info.world_size:
+        problems.append(f"rank={info.rank} must be in [0, world_size={info.world_size})")
+    if not 0 <= info.local_rank < info.local_world_size:
+        problems.append(
+            f"local_rank={info.local_rank} must be in [0, local_world_size={info.local_world_size})"
+        )
+    if problems:
+        raise ConfigError(
+            f"inconsistent launcher variables ({info.source}): {'; '.join(problems)}. "
+            "Start the job with torchrun or ddpkit run, which set them consistently."
+        )

@@ -1,0 +1,178 @@
+"""Process-group set-up and teardown: backend choice, device per local rank, two timeouts.
+
+The default (WORLD) group is created with the *init* timeout, which bounds the rendezvous: how
+long a rank waits for the others to join. Training collectives run on a second group over the same
+ranks, created with ``torch.distributed.new_group(timeout=train_timeout_s)``, which bounds how long
+any collective may wait. :attr:`Runtime.process_group` is that training group; DDP and ddpkit's
+collectives use it.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from ddpkit.distributed.env import ProcessInfo, detect_process_info
+from ddpkit.errors import ConfigError, DistributedError
+
+BACKENDS = ("auto", "gloo", "nccl")
+
+
+def resolve_backend(backend: str, info: ProcessInfo) -> str:
+    """Pick the communication backend.
+
+    ``auto`` gives ``nccl`` when CUDA is available and every local rank has a GPU of its own
+    (``torch.cuda.device_count() >= local_world_size``), else ``gloo``.
+
+    Raises:
+        ConfigError: ``backend`` is not one of ``auto``, ``gloo``, ``nccl``; or ``nccl`` is asked
+            for where CUDA or NCCL is missing.
+    """
+    if backend not in BACKENDS:
+        raise ConfigError(
+            f"unknown backend: backend={backend!r}. Allowed: {', '.join(BACKENDS)}. "
+            "Use 'auto' to pick nccl on GPUs and gloo on CPU."
+        )
+    has_gpu_each = torch.cuda.is_available() and torch.cuda.device_count() >= info.local_world_size
+    if backend == "auto":
+        return "nccl" if has_gpu_each and dist.is_nccl_available() else "gloo"
+    if backend == "nccl" and not (has_gpu_each and dist.is_nccl_available()):
+        raise ConfigError(
+            f"backend=nccl needs one CUDA device per local rank and an NCCL build of torch: "
+            f"found {torch.cuda.device_count()} device(s) for {info.local_world_size} local "
+            f"rank(s), nccl available={dist.is_nccl_available()}. Use backend='gloo' (or 'auto')."
+        )
+    return backend
+
+
+@dataclass
+class Runtime:
+    """The distributed state one process trains with.
+
+    Use it as a context manager, or call :meth:`close`, so the process groups are destroyed on
+    every exit path.
+
+    Attributes:
+        info: rank, local rank, world size and node rank.
+        backend: ``"gloo"`` or ``"nccl"``; ``None`` for a single process without a process group.
+        device: the device this rank computes on (``cuda:<local_rank>`` with nccl, else CPU).
+        process_group: the training group (train timeout); ``None`` at world size 1.
+        train_timeout_s: limit for one collective, in seconds.
+    """
+
+    info: ProcessInfo
+    backend: str | None
+    device: torch.device
+    process_group: Any = None
+    train_timeout_s: float = 1800.0
+    _closed: bool = field(default=False, repr=False)
+
+    @property
+    def rank(self) -> int:
+        return self.info.rank
+
+    @property
+    def local_rank(self) -> int:
+        return self.info.local_rank
+
+    @property
+    def world_size(self) -> int:
+        return self.info.world_size
+
+    @property
+    def is_rank_zero(self) -> bool:
+        return self.info.is_rank_zero
+
+    def close(self) -> None:
+        """Destroy every process group this process created. Idempotent; safe on error paths.
+
+        Not a collective: each rank tears down its own side. ddpkit's worker bootstrap also calls
+        this at exit, so the gloo threads are stopped while the interpreter is still whole.
+        """
+        if self._closed:
+            return
+        self._closed = True
+        self.process_group = None
+        if dist.is_available() and dist.is_initialized():
+            dist.destroy_process_group()
+
+    def __enter__(self) -> "Runtime":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def _check_timeouts(init_timeout_s: float, train_timeout_s: float) -> None:
+    problems = [
+        f"{name}={value!r} must be a positive number of seconds"
+        for name, value in (("init_timeout_s", init_timeout_s), ("train_timeout_s", train_timeout_s))
+        if not isinstance(value, (int, float)) or isinstance(value, bool) or value <= 0
+    ]
+    if problems:
+        raise ConfigError(f"invalid timeout: {'; '.join(problems)}. Pass e.g. 300.")
+
+
+def init_runtime(
+    backend: str = "auto",
+    init_timeout_s: float = 300.0,
+    train_timeout_s: float = 1800.0,
+    info: ProcessInfo | None = None,
+) -> Runtime:
+    """Join the job: create the process groups and pick this rank's device.
+
+    At world size 1 no process group is created and every ddpkit collective is a local no-op, so
+    the same script runs as a plain ``python train.py``.
+
+    Collective: call on every rank (it is the rendezvous).
+
+    Args:
+        backend: ``auto``, ``gloo`` or ``nccl`` (see :func:`resolve_backend`).
+        init_timeout_s: how long to wait for every rank to join, in seconds.
+        train_timeout_s: how long one training collective may wait, in seconds.
+        info: the process coordinates; read from the environment when omitted.
+
+    Returns:
+        A :class:`Runtime`; close it (or use ``with``) to destroy the groups.
+
+    Raises:
+        ConfigError: bad backend or timeouts, or a Slurm job without ``MASTER_ADDR``/``MASTER_PORT``.
+        DistributedError: a process group already exists (call this once per process).
+
+    Example:
+        >>> with init_runtime() as rt:          # doctest: +SKIP
+        ...     print(rt.rank, rt.world_size, rt.device)
+    """
+    _check_timeouts(init_timeout_s, train_timeout_s)
+    info = info or detect_process_info()
+    chosen = resolve_backend(backend, info)
+    device = torch.device("cuda", info.local_rank) if chosen == "nccl" else torch.device("cpu")
+    if not info.is_distributed:
+        return Runtime(info, None, device, None, float(train_timeout_s))
+    if dist.is_initialized():
+        raise DistributedError(
+            "init_runtime: a default process group already exists. Call init_runtime once per "
+            "process, or destroy the existing group first (torch.distributed.destroy_process_group)."
+        )
+    missing = [name for name in ("MASTER_ADDR", "MASTER_PORT") if name not in os.environ]
+    if missing:
+        raise ConfigError(
+            f"cannot rendezvous: {', '.join(missing)} not set (launcher={info.source}). "
+            "Start with torchrun/ddpkit run, or export MASTER_ADDR and MASTER_PORT of rank 0's node."
+        )
+    if chosen == "nccl":
+        torch.cuda.set_device(device)
+    dist.init_process_group(
+        backend=chosen,
+        rank=info.rank,
+        world_size=info.world_size,
+        timeout=datetime.timedelta(seconds=init_timeout_s),
+        device_id=device if chosen == "nccl" else None,
+    )
+    group = dist.new_group(timeout=datetime.timedelta(seconds=train_timeout_s))
+    return Runtime(info, chosen, device, group, float(train_timeout_s))

@@ -1,0 +1,1 @@
+"""ddpkit.examples."""

@@ -1,0 +1,177 @@
+"""The MNIST classifier of ``ddpkit train``: model, training loop, evaluation, outputs.
+
+Run it (the launcher starts the ranks; this module is what each rank executes)::
+
+    ddpkit train --nproc 2 --epochs 1 --data-dir ../shared/data/mnist
+    torchrun --nproc-per-node 2 -m ddpkit train --epochs 1     # the same job, plain torchrun
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+from ddpkit.distributed.collectives import all_reduce_sum
+from ddpkit.distributed.process_group import Runtime
+from ddpkit.distributed.sampler import build_eval_loader, build_train_loader
+from ddpkit.examples.mnist_data import DataSource
+from ddpkit.log import get_logger
+from ddpkit.parallel.wrap import model_state_dict, wrap_model
+from ddpkit.training.evaluate import evaluate
+
+OPTIMIZERS = ("adam", "adamw", "sgd")
+
+
+class MnistCNN(nn.Module):
+    """A small CNN for 28x28 grey images.
+
+    Shapes: input ``(batch, 1, 28, 28)`` -> conv3x3(32) -> ReLU -> maxpool2 ``(batch, 32, 14, 14)``
+    -> conv3x3(64) -> ReLU -> maxpool2 ``(batch, 64, 7, 7)`` -> linear(3136, 128) -> ReLU ->
+    linear(128, 10) -> logits ``(batch, 10)``. No dropout or batch norm, so replicas and world
+    sizes compute exactly the same function.
+    """
+
+    def __init__(self, num_classes: int = 10) -> None:
+        super().__init__()
+        self.conv1 = nn.Conv2d(1, 32, kernel_size=3, padding=1)
+        self.conv2 = nn.Conv2d(32, 64, kernel_size=3, padding=1)
+        self.fc1 = nn.Linear(64 * 7 * 7, 128)
+        self.fc2 = nn.Linear(128, num_classes)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = F.max_pool2d(F.relu(self.conv1(x)), 2)
+        x = F.max_pool2d(F.relu(self.conv2(x)), 2)
+        return self.fc2(F.relu(self.fc1(x.flatten(1))))
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    """Settings of one training job (the ``ddpkit train`` flags).
+
+    Attributes:
+        epochs: passes over the training set.
+        batch_size: samples per rank per step (global batch = batch_size * world_size).
+        lr: peak learning rate of the one-cycle schedule.
+        optimizer: ``adam``, ``adamw`` or ``sgd`` (momentum 0.9).
+        seed: seeds the model initialisation and the shuffle; the same on every rank.
+        output_dir: where metrics.jsonl, summary.json and model.pt are written (rank 0 only).
+        max_steps: stop each epoch after this many steps (0 = no limit); for quick checks.
+    """
+
+    epochs: int = 1
+    batch_size: int = 64
+    lr: float = 3e-3
+    optimizer: str = "adam"
+    seed: int = 0
+    output_dir: str = "runs/mnist"
+    max_steps: int = 0
+
+
+def build_optimizer(name: str, params, lr: float) -> torch.optim.Optimizer:
+    if name == "sgd":
+        return torch.optim.SGD(params, lr=lr, momentum=0.9)
+    return (torch.optim.AdamW if name == "adamw" else torch.optim.Adam)(params, lr=lr)
+
+
+def _write_json_atomic(path: Path, payload: dict) -> None:
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(json.dumps(payload, indent=2) + "\n")
+    os.replace(tmp, path)
+
+
+def train_mnist(config: TrainConfig, runtime: Runtime, source: DataSource) -> dict:
+    """Train and evaluate the MNIST CNN with the runtime's strategy; rank 0 writes the outputs.
+
+    Collective: call on every rank with the same ``config`` and ``source``.
+
+    Returns:
+        The summary dict (also written to ``output_dir/summary.json`` by rank 0): test_accuracy
+        (0..1), test_loss, test_samples, train_samples, world_size, backend, epochs,
+        samples_per_s (global training samples per second of training time), wall_s, dataset.
+    """
+    log = get_logger("train")
+    start = time.perf_counter()
+    torch.manual_seed(config.seed)
+    train_set, test_set = source.load("train"), source.load("test")
+    model = wrap_model(MnistCNN(), runtime)  # DDP when world_size > 1; replicas start equal
+    optimizer = build_optimizer(config.optimizer, model.parameters(), config.lr)
+    train_loader = build_train_loader(train_set, runtime, config.batch_size, seed=config.seed)
+    test_loader = build_eval_loader(test_set, runtime, batch_size=1000)
+    steps_per_epoch = len(train_loader) if not config.max_steps else min(config.max_steps, len(train_loader))
+    schedule = torch.optim.lr_scheduler.OneCycleLR(
+        optimizer, max_lr=config.lr, total_steps=steps_per_epoch * config.epochs
+    )
+    output_dir = Path(config.output_dir)
+    metrics_path = output_dir / "metrics.jsonl"
+    if runtime.is_rank_zero:
+        metrics_path.write_text("")
+    log.info(
+        "training %s on %d process(es), backend=%s, device=%s, %d train / %d test samples, "
+        "global batch %d", source.dataset, runtime.world_size, runtime.backend or "none",
+        runtime.device, len(train_set), len(test_set), config.batch_size * runtime.world_size,
+    )
+    train_time_s = samples_total = 0.0
+    for epoch in range(1, config.epochs + 1):
+        model.train()
+        epoch_start = time.perf_counter()
+        loss_sum = num_samples = 0.0
+        for step, (inputs, targets) in enumerate(train_loader, start=1):
+            inputs, targets = inputs.to(runtime.device), targets.to(runtime.device)
+            optimizer.zero_grad(set_to_none=True)
+            loss = F.cross_entropy(model(inputs), targets)
+            loss.backward()  # DDP all-reduces gradient buckets while backward runs
+            optimizer.step()
+            schedule.step()
+            loss_sum += float(loss.detach()) * len(targets)
+            num_samples += len(targets)
+            if step == steps_per_epoch:
+                break
+        epoch_s = time.perf_counter() - epoch_start
+        loss_sum, num_samples = all_reduce_sum([loss_sum, num_samples], runtime).tolist()
+        train_time_s += epoch_s
+        samples_total += num_samples
+        test = evaluate(model, test_loader, runtime)
+        record = {
+            "epoch": epoch,
+            "train_loss": loss_sum / num_samples,
+            "test_loss": test["loss"],
+            "test_accuracy": test["accuracy"],
+            "test_samples": test["num_samples"],
+            "samples_per_s": num_samples / epoch_s,
+            "epoch_s": epoch_s,
+        }
+        log.info(
+            "epoch %d/%d  train_loss %.4f  test_loss %.4f  test_acc %.4f  %.0f samples/s",
+            epoch, config.epochs, record["train_loss"], record["test_loss"],
+            record["test_accuracy"], record["samples_per_s"],
+        )
+        if runtime.is_rank_zero:
+            with metrics_path.open("a") as handle:
+                handle.write(json.dumps(record) + "\n")
+    summary = {
+        "test_accuracy": test["accuracy"],
+        "test_loss": test["loss"],
+        "test_samples": test["num_samples"],
+        "train_samples": len(train_set),
+        "world_size": runtime.world_size,
+        "backend": runtime.backend or "none",
+        "epochs": config.epochs,
+        "samples_per_s": samples_total / train_time_s,
+        "wall_s": time.perf_counter() - start,
+        "dataset": source.dataset,
+        "config": asdict(config),
+    }
+    if runtime.is_rank_zero:
+        model_tmp = output_dir / ".model.pt.tmp"
+        torch.save(model_state_dict(model), model_tmp)
+        os.replace(model_tmp, output_dir / "model.pt")
+        _write_json_atomic(output_dir / "summary.json", summary)
+        log.info("wrote %s (metrics.jsonl, summary.json, model.pt)", output_dir)
+    return summary

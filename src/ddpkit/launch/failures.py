@@ -1,0 +1,95 @@
+"""Failure records: each failing worker writes one; the launcher names the rank that failed first.
+
+torchrun's own report orders failures by whole-second timestamps from error files that only
+``@record``-decorated entry points write, and otherwise lists whichever rank it noticed — often a
+rank it terminated itself. ddpkit's worker bootstrap writes a record with a sub-millisecond
+wall-clock time the moment an exception escapes, *before* it tears down its process group, so
+the root cause is always older than the errors it provokes on the peers.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+import traceback
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+RUN_DIR_ENV = "DDPKIT_RUN_DIR"
+
+
+@dataclass(frozen=True)
+class FailureRecord:
+    """What one worker knew when its exception escaped.
+
+    Attributes:
+        rank, local_rank, world_size: the worker's coordinates.
+        restart: torchrun's restart count (``TORCHELASTIC_RESTART_COUNT``).
+        type: the exception's class name, e.g. ``ValueError``.
+        message: ``str(exception)``.
+        traceback: the formatted traceback.
+        time_s: wall-clock time of the failure, seconds since the epoch.
+        pid: the worker's process id.
+    """
+
+    rank: int
+    local_rank: int
+    world_size: int
+    restart: int
+    type: str
+    message: str
+    traceback: str
+    time_s: float
+    pid: int
+
+    @property
+    def headline(self) -> str:
+        """``rank 1/2 (local rank 1, pid 123): ValueError: boom``."""
+        return (
+            f"rank {self.rank}/{self.world_size} (local rank {self.local_rank}, pid {self.pid}): "
+            f"{self.type}: {self.message}"
+        )
+
+
+def make_record(exc: BaseException, environ: dict[str, str] | None = None) -> FailureRecord:
+    """Build the record of ``exc`` for this worker, reading its coordinates from the environment."""
+    env = os.environ if environ is None else environ
+    return FailureRecord(
+        rank=int(env.get("RANK", 0)),
+        local_rank=int(env.get("LOCAL_RANK", 0)),
+        world_size=int(env.get("WORLD_SIZE", 1)),
+        restart=int(env.get("TORCHELASTIC_RESTART_COUNT", 0)),
+        type=type(exc).__name__,
+        message=str(exc),
+        traceback="".join(traceback.format_exception(type(exc), exc, exc.__traceback__)),
+        time_s=time.time(),
+        pid=os.getpid(),
+    )
+
+
+def write_record(record: FailureRecord, run_dir: str | os.PathLike[str]) -> Path:
+    """Write ``record`` atomically (temp file + rename) into ``run_dir``; returns the path."""
+    directory = Path(run_dir)
+    directory.mkdir(parents=True, exist_ok=True)
+    path = directory / f"failure-r{record.restart}-rank{record.rank}.json"
+    tmp = path.with_suffix(f".tmp{record.pid}")
+    tmp.write_text(json.dumps(asdict(record)))
+    os.replace(tmp, path)
+    return path
+
+
+def read_records(run_dir: str | os.PathLike[str]) -> list[FailureRecord]:
+    """All complete records in ``run_dir``, oldest first (the first failure leads)."""
+    records = []
+    for path in Path(run_dir).glob("failure-*.json"):
+        try:
+            records.append(FailureRecord(**json.loads(path.read_text())))
+        except (OSError, ValueError, TypeError):
+            continue  # a worker killed while writing leaves only its .tmp file; skip stragglers
+    return sorted(records, key=lambda r: r.time_s)
+
+
+def first_failure(records: list[FailureRecord]) -> FailureRecord | None:
+    """The record written first, i.e. the root cause; ``None`` when there is none."""
+    return min(records, key=lambda r: r.time_s, default=None)

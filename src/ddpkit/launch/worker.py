@@ -1,0 +1,98 @@
+"""Worker bootstrap that ``ddpkit run`` starts in every rank: run the target, record, shut down.
+
+    python -m ddpkit.launch.worker script.py [args...]
+    python -m ddpkit.launch.worker -m package.module [args...]
+
+It runs the target as ``__main__`` (as ``python script.py`` would), and:
+
+- when an exception escapes: writes a :class:`~ddpkit.launch.failures.FailureRecord` (when
+  ``DDPKIT_RUN_DIR`` is set), prints the traceback with a ``[rank r/N]`` prefix, exits 1;
+- on every path: destroys any process group still alive, then leaves through ``os._exit`` after
+  running ``atexit`` handlers and flushing stdio — see :func:`shutdown_and_exit` for why.
+"""
+
+from __future__ import annotations
+
+import atexit
+import os
+import runpy
+import sys
+
+from ddpkit.launch.failures import RUN_DIR_ENV, make_record, write_record
+
+
+def _exit_code(exc: SystemExit) -> int:
+    code = exc.code
+    if code is None:
+        return 0
+    if isinstance(code, int):
+        return code
+    print(code, file=sys.stderr)
+    return 1
+
+
+def destroy_process_groups() -> None:
+    """Destroy the default process group (and every subgroup) if one is still alive."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def shutdown_and_exit(code: int) -> None:
+    """Destroy process groups, run ``atexit`` handlers, flush, and end the process with ``code``.
+
+    Why not a normal interpreter exit: with gloo, torch's C++ worker threads and the objects they
+    hold (the DDP reducer keeps its process group alive after ``destroy_process_group``) are
+    destroyed during interpreter finalization, racing with it; a joinable ``std::thread`` destroyed
+    there calls ``std::terminate`` ("terminate called without an active exception", exit 134) in a
+    few percent of correct runs. After the user's code and the ``atexit`` handlers have run there
+    is nothing left worth finalizing, so ddpkit skips finalization entirely.
+    """
+    try:
+        destroy_process_groups()
+    except Exception as exc:  # a broken peer must not turn success into a hang or a traceback
+        print(f"ddpkit: process group teardown failed: {type(exc).__name__}: {exc}", file=sys.stderr)
+        code = code or 1
+    atexit._run_exitfuncs()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):
+            pass
+    os._exit(code)
+
+
+def run_target(argv: list[str]) -> int:
+    """Run ``script.py args`` or ``-m module args`` as ``__main__``; return the exit status."""
+    if not argv or (argv[0] == "-m" and len(argv) < 2):
+        print("usage: python -m ddpkit.launch.worker [-m module | script.py] [args...]", file=sys.stderr)
+        return 2
+    try:
+        if argv[0] == "-m":
+            sys.argv = [argv[1], *argv[2:]]
+            runpy.run_module(argv[1], run_name="__main__", alter_sys=True)
+        else:
+            script = os.path.abspath(argv[0])
+            sys.argv = [argv[0], *argv[1:]]
+            sys.path.insert(0, os.path.dirname(script))
+            runpy.run_path(script, run_name="__main__")
+    except SystemExit as exc:
+        return _exit_code(exc)
+    except BaseException as exc:  # noqa: BLE001 - every escape is recorded, KeyboardInterrupt too
+        record = make_record(exc)
+        if os.environ.get(RUN_DIR_ENV):
+            write_record(record, os.environ[RUN_DIR_ENV])
+        prefix = f"[rank {record.rank}/{record.world_size}]"
+        lines = record.traceback.rstrip("\n").splitlines()
+        print("\n".join(f"{prefix} {line}" for line in lines), file=sys.stderr, flush=True)
+        return 1
+    return 0
+
+
+def main() -> None:
+    shutdown_and_exit(run_target(sys.argv[1:]))
+
+
+if __name__ == "__main__":
+    main()
