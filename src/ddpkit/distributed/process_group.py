@@ -17,6 +17,16 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+# Imported before any process group exists, on purpose. Its functions take ``group=group.WORLD``
+# as a default argument, evaluated at import time. DDP imports the module lazily, i.e. *after*
+# ``init_process_group``, so the live default group gets captured in those defaults forever:
+# ``destroy_process_group`` can then never free it, and gloo's worker threads (pt_gloo_runloop,
+# gloo_tcp_loop) live on into interpreter finalization, where tearing them down aborts ("terminate
+# called without an active exception", exit 134) or hangs in a few percent of correct runs.
+# Imported here, first, the defaults capture ``None`` and the group is freed when destroyed.
+if dist.is_available():
+    import torch.distributed.nn.functional  # noqa: F401  (see above)
+
 from ddpkit.distributed.env import ProcessInfo, detect_process_info
 from ddpkit.errors import ConfigError, DistributedError
 
@@ -123,6 +133,7 @@ def init_runtime(
     init_timeout_s: float = 300.0,
     train_timeout_s: float = 1800.0,
     info: ProcessInfo | None = None,
+    store: dist.Store | None = None,
 ) -> Runtime:
     """Join the job: create the process groups and pick this rank's device.
 
@@ -136,6 +147,8 @@ def init_runtime(
         init_timeout_s: how long to wait for every rank to join, in seconds.
         train_timeout_s: how long one training collective may wait, in seconds.
         info: the process coordinates; read from the environment when omitted.
+        store: a rendezvous store to use instead of ``MASTER_ADDR``/``MASTER_PORT`` (e.g. a
+            ``torch.distributed.FileStore`` shared by the ranks, as ddpkit's test harness does).
 
     Returns:
         A :class:`Runtime`; close it (or use ``with``) to destroy the groups.
@@ -160,7 +173,7 @@ def init_runtime(
             "process, or destroy the existing group first (torch.distributed.destroy_process_group)."
         )
     missing = [name for name in ("MASTER_ADDR", "MASTER_PORT") if name not in os.environ]
-    if missing:
+    if missing and store is None:
         raise ConfigError(
             f"cannot rendezvous: {', '.join(missing)} not set (launcher={info.source}). "
             "Start with torchrun/ddpkit run, or export MASTER_ADDR and MASTER_PORT of rank 0's node."
@@ -173,6 +186,7 @@ def init_runtime(
         world_size=info.world_size,
         timeout=datetime.timedelta(seconds=init_timeout_s),
         device_id=device if chosen == "nccl" else None,
+        store=store,
     )
     group = dist.new_group(timeout=datetime.timedelta(seconds=train_timeout_s))
     return Runtime(info, chosen, device, group, float(train_timeout_s))

@@ -18,6 +18,8 @@ import os
 import runpy
 import sys
 
+# Before the user's script can create a process group: applies the import-order fix in there.
+import ddpkit.distributed.process_group  # noqa: F401
 from ddpkit.launch.failures import RUN_DIR_ENV, make_record, write_record
 
 
@@ -42,12 +44,13 @@ def destroy_process_groups() -> None:
 def shutdown_and_exit(code: int) -> None:
     """Destroy process groups, run ``atexit`` handlers, flush, and end the process with ``code``.
 
-    Why not a normal interpreter exit: with gloo, torch's C++ worker threads and the objects they
-    hold (the DDP reducer keeps its process group alive after ``destroy_process_group``) are
-    destroyed during interpreter finalization, racing with it; a joinable ``std::thread`` destroyed
-    there calls ``std::terminate`` ("terminate called without an active exception", exit 134) in a
-    few percent of correct runs. After the user's code and the ``atexit`` handlers have run there
-    is nothing left worth finalizing, so ddpkit skips finalization entirely.
+    Why not a normal interpreter exit: a gloo process group that something still references
+    after ``destroy_process_group`` keeps its C++ threads running into interpreter finalization,
+    and tearing them down there aborts ("terminate called without an active exception", exit
+    134) or hangs in a few percent of correct runs. ddpkit removes the reference torch itself
+    leaves behind (see :mod:`ddpkit.distributed.process_group`), but a user's script can hold
+    others (a global DDP model, its own late imports). After the script and the ``atexit``
+    handlers have run nothing is left worth finalizing, so the bootstrap skips finalization.
     """
     try:
         destroy_process_groups()

@@ -1,0 +1,105 @@
+"""``ddpkit run``: really starts N ranks, names the first failure, leaves no process behind."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import pytest
+
+from ddpkit.launch.failures import FailureRecord
+from ddpkit.launch.launcher import LaunchSpec, summarize_failure, torchrun_argv
+from tests.helpers import pid_alive, run_cli
+
+PROBE = str(Path(__file__).parent / "scripts" / "probe.py")
+EXAMPLE = str(Path(__file__).resolve().parents[2] / "examples" / "train_custom.py")
+
+
+def _probe_lines(output: str) -> set[str]:
+    return {line for line in output.splitlines() if line.startswith("PROBE")}
+
+
+def test_run_starts_two_ranks_and_logs_once(tmp_path):
+    result = run_cli(["-m", "ddpkit", "run", "-n", "2", PROBE, "--warn-rank", "1"])
+    assert result.returncode == 0, result.output
+    assert {
+        "PROBE rank=0 world_size=2 local_rank=0",
+        "PROBE rank=1 world_size=2 local_rank=1",
+        "PROBE rank=0 sum=2",
+        "PROBE rank=1 sum=2",
+    } <= _probe_lines(result.stdout)
+    assert result.stdout.count("info message from the probe") == 1
+    assert "[rank 1/2] WARNING: warning message from rank 1" in result.stderr
+    assert "[rank 0/2] WARNING" not in result.stderr
+
+
+def test_failure_stops_every_rank_fast_and_names_the_first(tmp_path):
+    start = time.monotonic()
+    result = run_cli(
+        ["-m", "ddpkit", "run", "-n", "2", PROBE, "--fail-rank", "1", "--pid-dir", str(tmp_path)],
+        timeout_s=90,
+    )
+    elapsed = time.monotonic() - start
+    assert result.returncode != 0
+    last = result.stderr.strip().splitlines()[-6:]
+    assert any("first failure: rank 1/2" in line and "ValueError: boom" in line for line in last), (
+        result.stderr
+    )
+    assert "restarts are off" in last[-1]
+    # both ranks had started (so rank 0 was stuck in the collective rank 1 never joined) ...
+    pids = [int((tmp_path / f"rank{r}.pid").read_text()) for r in (0, 1)]
+    # ... and ended far below the 120 s collective timeout, leaving no process behind
+    assert elapsed < 15 + 10, f"took {elapsed:.1f} s"  # 15 s budget + interpreter start-up
+    assert not [pid for pid in pids if pid_alive(pid)]
+
+
+def test_example_runs_under_ddpkit_run_and_plain_torchrun():
+    for launcher in (
+        ["-m", "ddpkit", "run", "-n", "2", EXAMPLE, "--epochs", "1"],
+        ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", EXAMPLE,
+         "--epochs", "1"],
+    ):
+        result = run_cli(launcher)
+        assert result.returncode == 0, result.output
+        assert "rank 0 of world_size 2 on cpu" in result.stdout
+        assert "rank 1 of world_size 2 on cpu" in result.stdout
+        assert result.stdout.count("test accuracy") == 1  # logged once, by rank 0
+        assert "on 500 samples" in result.stdout
+
+
+def _record(rank: int, time_s: float, type_: str = "RuntimeError", message: str = "peer") -> FailureRecord:
+    return FailureRecord(rank, rank, 2, 0, type_, message, "Traceback\n  line\n", time_s, 100 + rank)
+
+
+def test_summary_names_the_earliest_record_not_torchruns_choice():
+    # torchrun saw rank 0 (a collateral error) as its root cause; rank 1 failed first.
+    records = sorted([_record(0, 10.5), _record(1, 10.2, "ValueError", "boom")], key=lambda r: r.time_s)
+    lines = summarize_failure(records, {0: 1}, LaunchSpec(["x.py"], 2))
+    assert "first failure: rank 1/2" in lines[0] and "ValueError: boom" in lines[0]
+
+
+def test_summary_names_a_rank_killed_by_a_signal():
+    lines = summarize_failure([], {1: -9}, LaunchSpec(["x.py"], 2, max_restarts=0))
+    assert lines[0] == "ddpkit run: rank 1/2 died from signal SIGKILL without a Python exception."
+
+
+def test_torchrun_argv_uses_standalone_rendezvous_and_the_worker():
+    argv = torchrun_argv(LaunchSpec(["-m", "pkg.mod", "--x", "1"], 3))
+    assert "--standalone" in argv and "--nproc-per-node=3" in argv
+    assert argv[-6:] == ["--module", "ddpkit.launch.worker", "-m", "pkg.mod", "--x", "1"]
+
+
+@pytest.mark.parametrize(
+    "args,expected",
+    [
+        (["-n", "0", "x.py"], "nproc=0 must be an integer >= 1"),
+        (["-n", "2", "/no/such/script.py"], "script='/no/such/script.py' does not exist"),
+        (["-n", "2"], "no script given"),
+    ],
+)
+def test_run_rejects_bad_input_in_one_line(args, expected, capsys):
+    from ddpkit.cli import main
+
+    assert main(["run", *args]) == 2
+    err = capsys.readouterr().err
+    assert expected in err and len(err.strip().splitlines()) == 1

@@ -1,0 +1,57 @@
+"""Hygiene for every test: environment restored, no process group or ddpkit handler left behind."""
+
+from __future__ import annotations
+
+import logging
+import os
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+SHARED_MNIST = REPO.parent / "shared" / "data" / "mnist"
+LAUNCH_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK",
+               "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RUN_ID")
+
+
+@pytest.fixture(autouse=True)
+def _restore_environment(monkeypatch):
+    """Each test starts without launcher variables and gets the environment back afterwards."""
+    saved = dict(os.environ)
+    for name in LAUNCH_VARS:
+        monkeypatch.delenv(name, raising=False)
+    for name in [n for n in os.environ if n.startswith("SLURM_")]:
+        monkeypatch.delenv(name, raising=False)
+    yield
+    os.environ.clear()
+    os.environ.update(saved)
+
+
+@pytest.fixture(autouse=True)
+def _no_leftover_process_group():
+    yield
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+        pytest.fail("test left a process group initialised")
+
+
+@pytest.fixture(autouse=True)
+def _reset_ddpkit_logger():
+    yield
+    logger = logging.getLogger("ddpkit")
+    for handler in list(logger.handlers):
+        logger.removeHandler(handler)
+    logger.propagate = True
+
+
+@pytest.fixture
+def mnist_dir() -> Path:
+    """The four original MNIST files shared with the project (skips where absent)."""
+    if not all((SHARED_MNIST / f"{n}.gz").is_file() for n in (
+        "train-images-idx3-ubyte", "train-labels-idx1-ubyte",
+        "t10k-images-idx3-ubyte", "t10k-labels-idx1-ubyte",
+    )):
+        pytest.skip(f"shared MNIST files not found in {SHARED_MNIST}")
+    return SHARED_MNIST
