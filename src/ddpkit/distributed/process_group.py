@@ -114,7 +114,11 @@ class Runtime:
     def __enter__(self) -> "Runtime":
         return self
 
-    def __exit__(self, *exc: object) -> None:
+    def __exit__(self, exc_type: object, exc: BaseException | None, tb: object) -> None:
+        if exc is not None:  # before the teardown that makes the peers fail
+            from ddpkit.launch.failures import stamp_failure_time
+
+            stamp_failure_time(exc)
         self.close()
 
 

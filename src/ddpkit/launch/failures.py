@@ -52,6 +52,39 @@ class FailureRecord:
         )
 
 
+_FAILED_AT = "ddpkit_failed_at_s"
+
+
+def stamp_failure_time(exc: BaseException) -> None:
+    """Remember when ``exc`` first reached ddpkit (kept if already set).
+
+    Called by :meth:`ddpkit.Runtime.__exit__` before it tears the process group down: the
+    teardown is what makes the peers fail, so the root cause must carry the earlier time.
+    """
+    if not hasattr(exc, _FAILED_AT):
+        try:
+            setattr(exc, _FAILED_AT, time.time())
+        except AttributeError:  # an exception type with __slots__; the record time will do
+            pass
+
+
+def _bootstrap_files() -> set[str]:
+    import runpy
+
+    from ddpkit.launch import worker
+
+    return {os.path.abspath(worker.__file__), runpy.__file__, "<frozen runpy>"}
+
+
+def _user_traceback(exc: BaseException) -> str:
+    """The formatted traceback without the bootstrap's own frames (ddpkit's worker, runpy)."""
+    skip = _bootstrap_files()
+    tb = exc.__traceback__
+    while tb is not None and tb.tb_next is not None and tb.tb_frame.f_code.co_filename in skip:
+        tb = tb.tb_next
+    return "".join(traceback.format_exception(type(exc), exc, tb))
+
+
 def make_record(exc: BaseException, environ: dict[str, str] | None = None) -> FailureRecord:
     """Build the record of ``exc`` for this worker, reading its coordinates from the environment."""
     env = os.environ if environ is None else environ
@@ -62,8 +95,8 @@ def make_record(exc: BaseException, environ: dict[str, str] | None = None) -> Fa
         restart=int(env.get("TORCHELASTIC_RESTART_COUNT", 0)),
         type=type(exc).__name__,
         message=str(exc),
-        traceback="".join(traceback.format_exception(type(exc), exc, exc.__traceback__)),
-        time_s=time.time(),
+        traceback=_user_traceback(exc),
+        time_s=getattr(exc, _FAILED_AT, None) or time.time(),
         pid=os.getpid(),
     )
 

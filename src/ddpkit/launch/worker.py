@@ -66,6 +66,23 @@ def shutdown_and_exit(code: int) -> None:
     os._exit(code)
 
 
+def line_buffer_stdio() -> None:
+    """Make stdout and stderr line-buffered, so each line reaches the shared pipe in one write.
+
+    torchrun starts workers with ``python -u`` (unbuffered): ``print`` then writes the text and
+    its newline separately, and two ranks' lines interleave mid-line.
+    """
+    for name in ("stdout", "stderr"):
+        stream = getattr(sys, name)
+        try:
+            fd = stream.fileno()
+        except (AttributeError, OSError, ValueError):
+            continue  # replaced by something without a file descriptor; leave it alone
+        stream.flush()
+        setattr(sys, name, open(fd, "w", buffering=1, encoding=stream.encoding,
+                                errors=stream.errors, closefd=False))
+
+
 def run_target(argv: list[str]) -> int:
     """Run ``script.py args`` or ``-m module args`` as ``__main__``; return the exit status."""
     if not argv or (argv[0] == "-m" and len(argv) < 2):
@@ -94,6 +111,7 @@ def run_target(argv: list[str]) -> int:
 
 
 def main() -> None:
+    line_buffer_stdio()
     shutdown_and_exit(run_target(sys.argv[1:]))
 
 

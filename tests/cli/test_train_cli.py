@@ -1,0 +1,53 @@
+"""``ddpkit train`` refuses bad input with one line and exit status 2, writing nothing."""
+
+from __future__ import annotations
+
+import pytest
+
+from ddpkit.cli import main
+from tests.helpers import run_cli
+
+
+def _run(argv: list[str], capsys) -> tuple[int, str]:
+    try:
+        code = main(argv)
+    except SystemExit as exc:  # argparse's own errors
+        code = exc.code
+    return code, capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    "extra,expected",
+    [
+        (["--data-dir", "{tmp}/no-such-dir"], "data dir not found"),
+        (["--dataset", "cifar"], "argument --dataset: invalid choice: 'cifar'"),
+        (["--nproc", "0"], "--nproc 0 must be >= 1"),
+        (["--batch-size", "sixty-four"], "argument --batch-size: invalid int value"),
+        (["--output-dir", "{tmp}/a-file/out"], "is a file, not a folder"),
+        (["--epochs", "0", "--lr", "-1"], "--epochs 0 must be >= 1; --lr -1.0 must be > 0"),
+    ],
+)
+def test_bad_input_is_one_line_exit_2_nothing_written(tmp_path, capsys, extra, expected):
+    (tmp_path / "a-file").write_text("not a folder")
+    out = tmp_path / "out"
+    argv = ["train", "--output-dir", str(out), *[e.format(tmp=tmp_path) for e in extra]]
+    code, err = _run(argv, capsys)
+    assert code == 2
+    assert expected in err
+    assert len(err.strip().splitlines()) == 1, err
+    assert "Traceback" not in err
+    assert not out.exists()
+
+
+def test_data_dir_without_mnist_files_names_them(tmp_path, capsys):
+    code, err = _run(["train", "--data-dir", str(tmp_path), "--output-dir", str(tmp_path / "o")],
+                     capsys)
+    assert code == 2
+    assert "missing train-images-idx3-ubyte" in err and "t10k-labels-idx1-ubyte" in err
+
+
+def test_console_error_has_no_traceback(tmp_path):
+    result = run_cli(["-m", "ddpkit", "train", "--data-dir", str(tmp_path / "missing")], timeout_s=60)
+    assert result.returncode == 2
+    assert result.stderr.count("\n") == 1 and "Traceback" not in result.stderr
+    assert result.stderr.startswith("ddpkit train: error: data dir not found")

@@ -1,0 +1,126 @@
+"""One-process checks of the runtime pieces: env detection, sharding, wrapping, logging."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+from torch import nn
+from torch.utils.data import TensorDataset
+
+import ddpkit
+from ddpkit.distributed.env import ProcessInfo, detect_process_info
+from ddpkit.distributed.process_group import Runtime
+from ddpkit.errors import ConfigError, DistributedError
+
+
+def _runtime(rank: int = 0, world_size: int = 1) -> Runtime:
+    return Runtime(ProcessInfo(rank=rank, world_size=world_size, local_world_size=world_size,
+                               local_rank=rank), None, torch.device("cpu"))
+
+
+@pytest.mark.parametrize(
+    "environ,expected",
+    [
+        ({}, ProcessInfo()),
+        (
+            {"RANK": "3", "WORLD_SIZE": "4", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2",
+             "GROUP_RANK": "1"},
+            ProcessInfo(3, 1, 4, 2, 1, "torchrun"),
+        ),
+        (
+            {"SLURM_PROCID": "5", "SLURM_NTASKS": "6", "SLURM_LOCALID": "2", "SLURM_NODEID": "1",
+             "SLURM_STEP_TASKS_PER_NODE": "3(x2)"},
+            ProcessInfo(5, 2, 6, 3, 1, "slurm"),
+        ),
+        ({"SLURM_PROCID": "0", "SLURM_NTASKS": "1"}, ProcessInfo()),  # python inside salloc
+        (  # torchrun inside a Slurm allocation: torchrun's variables win
+            {"RANK": "1", "WORLD_SIZE": "2", "LOCAL_RANK": "1", "SLURM_PROCID": "0",
+             "SLURM_NTASKS": "4"},
+            ProcessInfo(1, 1, 2, 2, 0, "torchrun"),
+        ),
+    ],
+)
+def test_detect_process_info(environ, expected):
+    assert detect_process_info(environ) == expected
+
+
+def test_detect_process_info_rejects_contradictions():
+    with pytest.raises(ConfigError, match=r"rank=2 must be in \[0, world_size=2\)"):
+        detect_process_info({"RANK": "2", "WORLD_SIZE": "2"})
+    with pytest.raises(ConfigError, match="WORLD_SIZE='two'. It must be an integer"):
+        detect_process_info({"RANK": "0", "WORLD_SIZE": "two"})
+
+
+def test_sampler_shards_are_disjoint_complete_and_reshuffled_each_epoch():
+    data = TensorDataset(torch.arange(16))
+    loaders = [ddpkit.build_train_loader(data, _runtime(r, 2), batch_size=3, seed=5) for r in (0, 1)]
+    epochs = []
+    for _ in range(3):
+        shards = [[int(i) for (batch,) in loader for i in batch] for loader in loaders]
+        assert set(shards[0]).isdisjoint(shards[1])
+        assert sorted(shards[0] + shards[1]) == list(range(16))
+        epochs.append(shards[0] + shards[1])
+    assert epochs[0] != epochs[1] and epochs[1] != epochs[2] and epochs[0] != epochs[2]
+    assert [loader.epoch for loader in loaders] == [3, 3]
+
+
+def test_eval_sampler_gives_each_sample_to_one_rank():
+    data = TensorDataset(torch.arange(7))
+    shards = [[int(i) for (b,) in ddpkit.build_eval_loader(data, _runtime(r, 3), 2) for i in b]
+              for r in range(3)]
+    assert shards == [[0, 3, 6], [1, 4], [2, 5]]
+
+
+def test_bad_batch_size_is_refused():
+    with pytest.raises(ConfigError, match="batch_size='8'"):
+        ddpkit.build_train_loader(TensorDataset(torch.arange(4)), _runtime(), batch_size="8")
+
+
+def test_wrap_and_unwrap():
+    runtime = _runtime()
+    model = ddpkit.wrap_model(nn.Linear(2, 2), runtime)  # auto -> single at world size 1
+    assert isinstance(model, nn.Linear)
+    with pytest.raises(DistributedError, match="strategy='ddp' needs a process group"):
+        ddpkit.wrap_model(nn.Linear(2, 2), runtime, "ddp")
+    with pytest.raises(ConfigError, match="already wrapped in DataParallel"):
+        ddpkit.wrap_model(nn.DataParallel(nn.Linear(2, 2)), runtime)
+    with pytest.raises(ConfigError, match="unknown strategy"):
+        ddpkit.wrap_model(nn.Linear(2, 2), runtime, "fsdp3")
+    wrapped = nn.DataParallel(nn.Linear(2, 2))
+    assert ddpkit.unwrap_model(wrapped) is wrapped.module
+    assert list(ddpkit.model_state_dict(wrapped)) == ["weight", "bias"]
+
+
+def test_single_process_runtime_needs_no_process_group():
+    with ddpkit.init_runtime() as rt:
+        assert (rt.rank, rt.world_size, rt.backend, rt.process_group) == (0, 1, None, None)
+        assert ddpkit.all_reduce_sum([2.0, 3.0], rt).tolist() == [2.0, 3.0]
+    with pytest.raises(ConfigError, match="unknown backend"):
+        ddpkit.init_runtime("mpi")
+    with pytest.raises(ConfigError, match="init_timeout_s=0"):
+        ddpkit.init_runtime(init_timeout_s=0)
+
+
+def test_nccl_without_gpus_is_a_clear_error():
+    if torch.cuda.is_available():
+        pytest.skip("this machine has CUDA")
+    with pytest.raises(ConfigError, match="backend=nccl needs one CUDA device per local rank"):
+        ddpkit.resolve_backend("nccl", ProcessInfo())
+
+
+@pytest.mark.parametrize("rank,shown", [(0, ["info", "[rank 0/2] WARNING: warn"]),
+                                        (1, ["[rank 1/2] WARNING: warn"])])
+def test_logging_info_on_rank_zero_warnings_everywhere(capsys, rank, shown):
+    ddpkit.configure_logging(ProcessInfo(rank=rank, world_size=2, local_world_size=2,
+                                         local_rank=rank))
+    ddpkit.configure_logging(ProcessInfo(rank=rank, world_size=2, local_world_size=2,
+                                         local_rank=rank))  # twice: no duplicate lines
+    log = ddpkit.get_logger("t")
+    log.info("info")
+    log.warning("warn")
+    captured = capsys.readouterr()
+    assert captured.out.splitlines() + captured.err.splitlines() == shown
+    assert logging.getLogger().handlers == [] or all(
+        not getattr(h, "_ddpkit_handler", False) for h in logging.getLogger().handlers)
