@@ -30,15 +30,27 @@ def main() -> int:
     launch = (
         [sys.executable, "-m", "ddpkit", "run", "-n", "2"]
         if args.launcher == "ddpkit"
-        else [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
+        else [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc-per-node",
+            "2",
+        ]
     )
     command = [*launch, args.script, "--epochs", "1"]
     failed, durations = 0, []
     for run in range(1, args.runs + 1):
         start = time.monotonic()
-        proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                text=True, start_new_session=True,
-                                env={**os.environ, "OMP_NUM_THREADS": "1"})
+        proc = subprocess.Popen(
+            command,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            start_new_session=True,
+            env={**os.environ, "OMP_NUM_THREADS": "1"},
+        )
         try:
             output, _ = proc.communicate(timeout=args.timeout_s)
             status = proc.returncode
@@ -52,8 +64,10 @@ def main() -> int:
             tail = " | ".join(output.strip().splitlines()[-3:])
             print(f"run {run}: exit {status}: {tail}", flush=True)
     durations.sort()
-    print(f"{args.launcher}: {args.runs} runs of {Path(args.script).name}, median "
-          f"{durations[len(durations) // 2]:.1f} s per run")
+    print(
+        f"{args.launcher}: {args.runs} runs of {Path(args.script).name}, median "
+        f"{durations[len(durations) // 2]:.1f} s per run"
+    )
     print(f"{args.runs - failed} passed, {failed} failed")
     return 1 if failed else 0
 

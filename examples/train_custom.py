@@ -45,8 +45,12 @@ def main() -> None:
                 F.cross_entropy(model(x), y).backward()  # gradients all-reduced in buckets
                 optimizer.step()
             metrics = ddpkit.evaluate(model, test, rt)  # every test sample counted once
-            log.info("epoch %d: test accuracy %.3f on %d samples", epoch, metrics["accuracy"],
-                     metrics["num_samples"])
+            log.info(
+                "epoch %d: test accuracy %.3f on %d samples",
+                epoch,
+                metrics["accuracy"],
+                metrics["num_samples"],
+            )
 
 
 if __name__ == "__main__":

@@ -10,8 +10,16 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[1]
 SHARED_MNIST = REPO.parent / "shared" / "data" / "mnist"
-LAUNCH_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK",
-               "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RUN_ID")
+LAUNCH_VARS = (
+    "RANK",
+    "WORLD_SIZE",
+    "LOCAL_RANK",
+    "LOCAL_WORLD_SIZE",
+    "GROUP_RANK",
+    "MASTER_ADDR",
+    "MASTER_PORT",
+    "TORCHELASTIC_RUN_ID",
+)
 
 
 @pytest.fixture(autouse=True)
@@ -49,9 +57,14 @@ def _reset_ddpkit_logger():
 @pytest.fixture
 def mnist_dir() -> Path:
     """The four original MNIST files shared with the project (skips where absent)."""
-    if not all((SHARED_MNIST / f"{n}.gz").is_file() for n in (
-        "train-images-idx3-ubyte", "train-labels-idx1-ubyte",
-        "t10k-images-idx3-ubyte", "t10k-labels-idx1-ubyte",
-    )):
+    if not all(
+        (SHARED_MNIST / f"{n}.gz").is_file()
+        for n in (
+            "train-images-idx3-ubyte",
+            "train-labels-idx1-ubyte",
+            "t10k-images-idx3-ubyte",
+            "t10k-labels-idx1-ubyte",
+        )
+    ):
         pytest.skip(f"shared MNIST files not found in {SHARED_MNIST}")
     return SHARED_MNIST

@@ -21,13 +21,22 @@ class Completed:
         return self.stdout + self.stderr
 
 
-def run_cli(args: list[str], timeout_s: float = 120, env: dict[str, str] | None = None,
-            cwd: str | None = None) -> Completed:
+def run_cli(
+    args: list[str],
+    timeout_s: float = 120,
+    env: dict[str, str] | None = None,
+    cwd: str | None = None,
+) -> Completed:
     """Run ``python -m <args>`` in a new session; on timeout kill the whole process group."""
     full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
     proc = subprocess.Popen(
-        [sys.executable, *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-        env=full_env, cwd=cwd, start_new_session=True,
+        [sys.executable, *args],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=full_env,
+        cwd=cwd,
+        start_new_session=True,
     )
     try:
         out, err = proc.communicate(timeout=timeout_s)

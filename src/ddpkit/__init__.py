@@ -24,7 +24,7 @@ from ddpkit.distributed.sampler import (
     build_eval_loader,
     build_train_loader,
 )
-from ddpkit.errors import ConfigError, DataError, DdpkitError, DistributedError, LaunchError
+from ddpkit.errors import ConfigError, DataError, DdpkitError, DistributedError
 from ddpkit.log import configure_logging, get_logger
 from ddpkit.parallel.wrap import model_state_dict, unwrap_model, wrap_model
 from ddpkit.training.evaluate import evaluate
@@ -36,7 +36,6 @@ __all__ = [
     "DataError",
     "DdpkitError",
     "DistributedError",
-    "LaunchError",
     "ProcessInfo",
     "Runtime",
     "ShardedLoader",

@@ -22,7 +22,3 @@ class DataError(DdpkitError, ValueError):
 
 class DistributedError(DdpkitError, RuntimeError):
     """The distributed runtime is in a state that does not allow the call."""
-
-
-class LaunchError(DdpkitError, RuntimeError):
-    """A launched job failed; the message names the rank that failed first."""

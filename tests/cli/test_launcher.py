@@ -56,8 +56,16 @@ def test_failure_stops_every_rank_fast_and_names_the_first(tmp_path):
 def test_example_runs_under_ddpkit_run_and_plain_torchrun():
     for launcher in (
         ["-m", "ddpkit", "run", "-n", "2", EXAMPLE, "--epochs", "1"],
-        ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", EXAMPLE,
-         "--epochs", "1"],
+        [
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc-per-node",
+            "2",
+            EXAMPLE,
+            "--epochs",
+            "1",
+        ],
     ):
         result = run_cli(launcher)
         assert result.returncode == 0, result.output
@@ -67,13 +75,19 @@ def test_example_runs_under_ddpkit_run_and_plain_torchrun():
         assert "on 500 samples" in result.stdout
 
 
-def _record(rank: int, time_s: float, type_: str = "RuntimeError", message: str = "peer") -> FailureRecord:
-    return FailureRecord(rank, rank, 2, 0, type_, message, "Traceback\n  line\n", time_s, 100 + rank)
+def _record(
+    rank: int, time_s: float, type_: str = "RuntimeError", message: str = "peer"
+) -> FailureRecord:
+    return FailureRecord(
+        rank, rank, 2, 0, type_, message, "Traceback\n  line\n", time_s, 100 + rank
+    )
 
 
 def test_summary_names_the_earliest_record_not_torchruns_choice():
     # torchrun saw rank 0 (a collateral error) as its root cause; rank 1 failed first.
-    records = sorted([_record(0, 10.5), _record(1, 10.2, "ValueError", "boom")], key=lambda r: r.time_s)
+    records = sorted(
+        [_record(0, 10.5), _record(1, 10.2, "ValueError", "boom")], key=lambda r: r.time_s
+    )
     lines = summarize_failure(records, {0: 1}, LaunchSpec(["x.py"], 2))
     assert "first failure: rank 1/2" in lines[0] and "ValueError: boom" in lines[0]
 

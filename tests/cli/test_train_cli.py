@@ -40,14 +40,17 @@ def test_bad_input_is_one_line_exit_2_nothing_written(tmp_path, capsys, extra, e
 
 
 def test_data_dir_without_mnist_files_names_them(tmp_path, capsys):
-    code, err = _run(["train", "--data-dir", str(tmp_path), "--output-dir", str(tmp_path / "o")],
-                     capsys)
+    code, err = _run(
+        ["train", "--data-dir", str(tmp_path), "--output-dir", str(tmp_path / "o")], capsys
+    )
     assert code == 2
     assert "missing train-images-idx3-ubyte" in err and "t10k-labels-idx1-ubyte" in err
 
 
 def test_console_error_has_no_traceback(tmp_path):
-    result = run_cli(["-m", "ddpkit", "train", "--data-dir", str(tmp_path / "missing")], timeout_s=60)
+    result = run_cli(
+        ["-m", "ddpkit", "train", "--data-dir", str(tmp_path / "missing")], timeout_s=60
+    )
     assert result.returncode == 2
     assert result.stderr.count("\n") == 1 and "Traceback" not in result.stderr
     assert result.stderr.startswith("ddpkit train: error: data dir not found")

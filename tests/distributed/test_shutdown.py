@@ -38,8 +38,11 @@ def _train_then_close(store) -> tuple[int, int, list]:
 
         model(torch.randn(4, 8)).sum().backward()
         during = sum(name in GLOO_THREADS for name in _thread_names())
-        captured = [d for d in dist_nn_functional.all_reduce.__defaults__ if d is not None
-                    and not isinstance(d, type(torch.distributed.ReduceOp.SUM))]
+        captured = [
+            d
+            for d in dist_nn_functional.all_reduce.__defaults__
+            if d is not None and not isinstance(d, type(torch.distributed.ReduceOp.SUM))
+        ]
     del model
     gc.collect()
     after = sum(name in GLOO_THREADS for name in _thread_names())

@@ -29,9 +29,7 @@ def _dataset(num_samples: int) -> TensorDataset:
 
 def _train(runtime: Runtime, batch_size: int, num_samples: int) -> dict[str, torch.Tensor]:
     torch.manual_seed(0)
-    model = ddpkit.wrap_model(
-        nn.Sequential(nn.Linear(6, 16), nn.Tanh(), nn.Linear(16, 3)), runtime
-    )
+    model = ddpkit.wrap_model(nn.Sequential(nn.Linear(6, 16), nn.Tanh(), nn.Linear(16, 3)), runtime)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     loader = ddpkit.build_train_loader(_dataset(num_samples), runtime, batch_size, seed=7)
     step = 0
@@ -78,11 +76,18 @@ class _OnlyFirstCorrect(nn.Module):
 
 
 def _eval_rank(runtime: Runtime) -> tuple[dict, float]:
-    data = TensorDataset(torch.arange(5, dtype=torch.float32).unsqueeze(1), torch.zeros(5, dtype=torch.long))
-    exact = ddpkit.evaluate(_OnlyFirstCorrect(), ddpkit.build_eval_loader(data, runtime, 2), runtime)
+    data = TensorDataset(
+        torch.arange(5, dtype=torch.float32).unsqueeze(1), torch.zeros(5, dtype=torch.long)
+    )
+    exact = ddpkit.evaluate(
+        _OnlyFirstCorrect(), ddpkit.build_eval_loader(data, runtime, 2), runtime
+    )
     # what a padded DistributedSampler would report: sample 0 is repeated on the last rank
-    padded = DataLoader(data, batch_size=2, sampler=DistributedSampler(
-        data, runtime.world_size, runtime.rank, shuffle=False))
+    padded = DataLoader(
+        data,
+        batch_size=2,
+        sampler=DistributedSampler(data, runtime.world_size, runtime.rank, shuffle=False),
+    )
     correct = sum(int(x[:, 0].eq(0).sum()) for x, _ in padded)
     count = sum(len(x) for x, _ in padded)
     totals = ddpkit.all_reduce_sum([correct, count], runtime).tolist()

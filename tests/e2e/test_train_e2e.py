@@ -18,8 +18,21 @@ from tests.helpers import run_cli
 def test_train_mnist_two_processes(mnist_dir, tmp_path):
     out = tmp_path / "run"
     result = run_cli(
-        ["-m", "ddpkit", "train", "--data-dir", str(mnist_dir), "--nproc", "2", "--epochs", "1",
-         "--max-steps", "60", "--output-dir", str(out)],
+        [
+            "-m",
+            "ddpkit",
+            "train",
+            "--data-dir",
+            str(mnist_dir),
+            "--nproc",
+            "2",
+            "--epochs",
+            "1",
+            "--max-steps",
+            "60",
+            "--output-dir",
+            str(out),
+        ],
         timeout_s=180,
     )
     assert result.returncode == 0, result.output
@@ -42,8 +55,10 @@ def test_train_offline_without_files_uses_digits(tmp_path):
     out = tmp_path / "run"
     result = run_cli(
         ["-m", "ddpkit", "train", "--nproc", "2", "--epochs", "3", "--output-dir", str(out)],
-        env={"DDPKIT_CACHE_DIR": str(tmp_path / "cache"),
-             "DDPKIT_MNIST_MIRRORS": "http://127.0.0.1:1/"},  # loopback, nothing listening
+        env={
+            "DDPKIT_CACHE_DIR": str(tmp_path / "cache"),
+            "DDPKIT_MNIST_MIRRORS": "http://127.0.0.1:1/",
+        },  # loopback, nothing listening
         timeout_s=180,
     )
     assert result.returncode == 0, result.output

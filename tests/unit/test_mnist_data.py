@@ -121,8 +121,10 @@ def test_download_verifies_caches_and_runs_once_across_processes(mnist_dir, tmp_
         monkeypatch.setenv("DDPKIT_CACHE_DIR", str(cache))
         monkeypatch.setenv(mnist_data.MIRRORS_ENV, mirror.url)
         ctx = mp.get_context("spawn")
-        procs = [ctx.Process(target=_download_in_child, args=(str(cache / "mnist"), mirror.url))
-                 for _ in range(2)]
+        procs = [
+            ctx.Process(target=_download_in_child, args=(str(cache / "mnist"), mirror.url))
+            for _ in range(2)
+        ]
         for proc in procs:
             proc.start()
         for proc in procs:

@@ -16,8 +16,11 @@ from ddpkit.errors import ConfigError, DistributedError
 
 
 def _runtime(rank: int = 0, world_size: int = 1) -> Runtime:
-    return Runtime(ProcessInfo(rank=rank, world_size=world_size, local_world_size=world_size,
-                               local_rank=rank), None, torch.device("cpu"))
+    return Runtime(
+        ProcessInfo(rank=rank, world_size=world_size, local_world_size=world_size, local_rank=rank),
+        None,
+        torch.device("cpu"),
+    )
 
 
 @pytest.mark.parametrize(
@@ -25,19 +28,34 @@ def _runtime(rank: int = 0, world_size: int = 1) -> Runtime:
     [
         ({}, ProcessInfo()),
         (
-            {"RANK": "3", "WORLD_SIZE": "4", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2",
-             "GROUP_RANK": "1"},
+            {
+                "RANK": "3",
+                "WORLD_SIZE": "4",
+                "LOCAL_RANK": "1",
+                "LOCAL_WORLD_SIZE": "2",
+                "GROUP_RANK": "1",
+            },
             ProcessInfo(3, 1, 4, 2, 1, "torchrun"),
         ),
         (
-            {"SLURM_PROCID": "5", "SLURM_NTASKS": "6", "SLURM_LOCALID": "2", "SLURM_NODEID": "1",
-             "SLURM_STEP_TASKS_PER_NODE": "3(x2)"},
+            {
+                "SLURM_PROCID": "5",
+                "SLURM_NTASKS": "6",
+                "SLURM_LOCALID": "2",
+                "SLURM_NODEID": "1",
+                "SLURM_STEP_TASKS_PER_NODE": "3(x2)",
+            },
             ProcessInfo(5, 2, 6, 3, 1, "slurm"),
         ),
         ({"SLURM_PROCID": "0", "SLURM_NTASKS": "1"}, ProcessInfo()),  # python inside salloc
         (  # torchrun inside a Slurm allocation: torchrun's variables win
-            {"RANK": "1", "WORLD_SIZE": "2", "LOCAL_RANK": "1", "SLURM_PROCID": "0",
-             "SLURM_NTASKS": "4"},
+            {
+                "RANK": "1",
+                "WORLD_SIZE": "2",
+                "LOCAL_RANK": "1",
+                "SLURM_PROCID": "0",
+                "SLURM_NTASKS": "4",
+            },
             ProcessInfo(1, 1, 2, 2, 0, "torchrun"),
         ),
     ],
@@ -55,7 +73,9 @@ def test_detect_process_info_rejects_contradictions():
 
 def test_sampler_shards_are_disjoint_complete_and_reshuffled_each_epoch():
     data = TensorDataset(torch.arange(16))
-    loaders = [ddpkit.build_train_loader(data, _runtime(r, 2), batch_size=3, seed=5) for r in (0, 1)]
+    loaders = [
+        ddpkit.build_train_loader(data, _runtime(r, 2), batch_size=3, seed=5) for r in (0, 1)
+    ]
     epochs = []
     for _ in range(3):
         shards = [[int(i) for (batch,) in loader for i in batch] for loader in loaders]
@@ -68,8 +88,10 @@ def test_sampler_shards_are_disjoint_complete_and_reshuffled_each_epoch():
 
 def test_eval_sampler_gives_each_sample_to_one_rank():
     data = TensorDataset(torch.arange(7))
-    shards = [[int(i) for (b,) in ddpkit.build_eval_loader(data, _runtime(r, 3), 2) for i in b]
-              for r in range(3)]
+    shards = [
+        [int(i) for (b,) in ddpkit.build_eval_loader(data, _runtime(r, 3), 2) for i in b]
+        for r in range(3)
+    ]
     assert shards == [[0, 3, 6], [1, 4], [2, 5]]
 
 
@@ -110,17 +132,21 @@ def test_nccl_without_gpus_is_a_clear_error():
         ddpkit.resolve_backend("nccl", ProcessInfo())
 
 
-@pytest.mark.parametrize("rank,shown", [(0, ["info", "[rank 0/2] WARNING: warn"]),
-                                        (1, ["[rank 1/2] WARNING: warn"])])
+@pytest.mark.parametrize(
+    "rank,shown", [(0, ["info", "[rank 0/2] WARNING: warn"]), (1, ["[rank 1/2] WARNING: warn"])]
+)
 def test_logging_info_on_rank_zero_warnings_everywhere(capsys, rank, shown):
-    ddpkit.configure_logging(ProcessInfo(rank=rank, world_size=2, local_world_size=2,
-                                         local_rank=rank))
-    ddpkit.configure_logging(ProcessInfo(rank=rank, world_size=2, local_world_size=2,
-                                         local_rank=rank))  # twice: no duplicate lines
+    ddpkit.configure_logging(
+        ProcessInfo(rank=rank, world_size=2, local_world_size=2, local_rank=rank)
+    )
+    ddpkit.configure_logging(
+        ProcessInfo(rank=rank, world_size=2, local_world_size=2, local_rank=rank)
+    )  # twice: no duplicate lines
     log = ddpkit.get_logger("t")
     log.info("info")
     log.warning("warn")
     captured = capsys.readouterr()
     assert captured.out.splitlines() + captured.err.splitlines() == shown
     assert logging.getLogger().handlers == [] or all(
-        not getattr(h, "_ddpkit_handler", False) for h in logging.getLogger().handlers)
+        not getattr(h, "_ddpkit_handler", False) for h in logging.getLogger().handlers
+    )

@@ -23,17 +23,42 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         epilog=EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    parser.add_argument("-n", "--nproc", type=int, required=True, metavar="N",
-                        help="number of processes (ranks) to start")
-    parser.add_argument("--max-restarts", type=int, default=0, metavar="R",
-                        help="restart all workers up to R times after a failure (default 0)")
-    parser.add_argument("--omp-num-threads", type=int, default=None, metavar="T",
-                        help="threads per process (default: usable cores // N; "
-                        "an OMP_NUM_THREADS already set wins)")
-    parser.add_argument("-m", "--module", default=None, metavar="MODULE",
-                        help="run MODULE as __main__ (like python -m) instead of a script")
-    parser.add_argument("target", nargs=argparse.REMAINDER, metavar="script.py [args...]",
-                        help="the script and its arguments (the module's arguments with -m)")
+    parser.add_argument(
+        "-n",
+        "--nproc",
+        type=int,
+        required=True,
+        metavar="N",
+        help="number of processes (ranks) to start",
+    )
+    parser.add_argument(
+        "--max-restarts",
+        type=int,
+        default=0,
+        metavar="R",
+        help="restart all workers up to R times after a failure (default 0)",
+    )
+    parser.add_argument(
+        "--omp-num-threads",
+        type=int,
+        default=None,
+        metavar="T",
+        help="threads per process (default: usable cores // N; "
+        "an OMP_NUM_THREADS already set wins)",
+    )
+    parser.add_argument(
+        "-m",
+        "--module",
+        default=None,
+        metavar="MODULE",
+        help="run MODULE as __main__ (like python -m) instead of a script",
+    )
+    parser.add_argument(
+        "target",
+        nargs=argparse.REMAINDER,
+        metavar="script.py [args...]",
+        help="the script and its arguments (the module's arguments with -m)",
+    )
     parser.set_defaults(handler=run)
 
 

@@ -36,33 +36,85 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         "DistributedDataParallel. Prints per-epoch train loss, test loss, test accuracy and "
         "samples/s; writes metrics.jsonl, summary.json and model.pt to --output-dir.",
     )
-    parser.add_argument("--nproc", type=int, default=None, metavar="N",
-                        help="local processes (default: one per GPU on CUDA, else 2)")
+    parser.add_argument(
+        "--nproc",
+        type=int,
+        default=None,
+        metavar="N",
+        help="local processes (default: one per GPU on CUDA, else 2)",
+    )
     parser.add_argument("--epochs", type=int, default=defaults.epochs, help="passes over the data")
-    parser.add_argument("--batch-size", type=int, default=defaults.batch_size, metavar="B",
-                        help=f"samples per rank per step (default {defaults.batch_size}); "
-                        "global batch = B x world size")
-    parser.add_argument("--lr", type=float, default=defaults.lr,
-                        help=f"peak learning rate of the one-cycle schedule (default {defaults.lr})")
+    parser.add_argument(
+        "--batch-size",
+        type=int,
+        default=defaults.batch_size,
+        metavar="B",
+        help=f"samples per rank per step (default {defaults.batch_size}); "
+        "global batch = B x world size",
+    )
+    parser.add_argument(
+        "--lr",
+        type=float,
+        default=defaults.lr,
+        help=f"peak learning rate of the one-cycle schedule (default {defaults.lr})",
+    )
     parser.add_argument("--optimizer", choices=OPTIMIZERS, default=defaults.optimizer)
-    parser.add_argument("--seed", type=int, default=defaults.seed,
-                        help="seed of model init and data order (same on every rank)")
-    parser.add_argument("--dataset", choices=("auto", "mnist", "digits"), default="auto",
-                        help="auto: MNIST (data dir, cache or download), else the 8x8 digits")
-    parser.add_argument("--data-dir", default=None, metavar="DIR",
-                        help="folder holding the four MNIST IDX files (raw or .gz)")
-    parser.add_argument("--no-download", action="store_true",
-                        help="never download MNIST; use the cache or --data-dir")
-    parser.add_argument("--output-dir", default=defaults.output_dir, metavar="DIR",
-                        help=f"where outputs go (default {defaults.output_dir})")
-    parser.add_argument("--backend", choices=("auto", "gloo", "nccl"), default="auto",
-                        help="auto: nccl when each local rank has a GPU, else gloo")
-    parser.add_argument("--init-timeout", type=float, default=300.0, metavar="SECONDS",
-                        help="how long ranks wait for each other to join (default 300)")
-    parser.add_argument("--train-timeout", type=float, default=1800.0, metavar="SECONDS",
-                        help="how long one collective may wait (default 1800)")
-    parser.add_argument("--max-steps", type=int, default=0, metavar="S",
-                        help="stop each epoch after S steps (0 = whole epoch); for quick checks")
+    parser.add_argument(
+        "--seed",
+        type=int,
+        default=defaults.seed,
+        help="seed of model init and data order (same on every rank)",
+    )
+    parser.add_argument(
+        "--dataset",
+        choices=("auto", "mnist", "digits"),
+        default="auto",
+        help="auto: MNIST (data dir, cache or download), else the 8x8 digits",
+    )
+    parser.add_argument(
+        "--data-dir",
+        default=None,
+        metavar="DIR",
+        help="folder holding the four MNIST IDX files (raw or .gz)",
+    )
+    parser.add_argument(
+        "--no-download",
+        action="store_true",
+        help="never download MNIST; use the cache or --data-dir",
+    )
+    parser.add_argument(
+        "--output-dir",
+        default=defaults.output_dir,
+        metavar="DIR",
+        help=f"where outputs go (default {defaults.output_dir})",
+    )
+    parser.add_argument(
+        "--backend",
+        choices=("auto", "gloo", "nccl"),
+        default="auto",
+        help="auto: nccl when each local rank has a GPU, else gloo",
+    )
+    parser.add_argument(
+        "--init-timeout",
+        type=float,
+        default=300.0,
+        metavar="SECONDS",
+        help="how long ranks wait for each other to join (default 300)",
+    )
+    parser.add_argument(
+        "--train-timeout",
+        type=float,
+        default=1800.0,
+        metavar="SECONDS",
+        help="how long one collective may wait (default 1800)",
+    )
+    parser.add_argument(
+        "--max-steps",
+        type=int,
+        default=0,
+        metavar="S",
+        help="stop each epoch after S steps (0 = whole epoch); for quick checks",
+    )
     parser.add_argument(WORKER_FLAG, action="store_true", help=argparse.SUPPRESS)
     parser.set_defaults(handler=run)
 
@@ -106,8 +158,18 @@ def _worker_argv(args: argparse.Namespace, source: DataSource) -> list[str]:
     argv = ["-m", "ddpkit", "train", WORKER_FLAG, "--dataset", source.dataset]
     if source.directory is not None:
         argv += ["--data-dir", str(source.directory)]
-    for name in ("epochs", "batch_size", "lr", "optimizer", "seed", "output_dir", "backend",
-                 "init_timeout", "train_timeout", "max_steps"):
+    for name in (
+        "epochs",
+        "batch_size",
+        "lr",
+        "optimizer",
+        "seed",
+        "output_dir",
+        "backend",
+        "init_timeout",
+        "train_timeout",
+        "max_steps",
+    ):
         argv += [f"--{name.replace('_', '-')}", str(getattr(args, name))]
     return argv
 

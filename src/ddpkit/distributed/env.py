@@ -14,8 +14,8 @@ from __future__ import annotations
 
 import os
 import re
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Mapping
 
 from ddpkit.errors import ConfigError
 
@@ -113,9 +113,10 @@ def detect_process_info(environ: Mapping[str, str] | None = None) -> ProcessInfo
             node_rank=_int(env, "GROUP_RANK") if "GROUP_RANK" in env else 0,
             source="torchrun",
         )
-    elif "SLURM_PROCID" in env and int(
-        env.get("SLURM_STEP_NUM_TASKS") or env.get("SLURM_NTASKS") or "1"
-    ) > 1:
+    elif (
+        "SLURM_PROCID" in env
+        and int(env.get("SLURM_STEP_NUM_TASKS") or env.get("SLURM_NTASKS") or "1") > 1
+    ):
         world_size = int(env.get("SLURM_STEP_NUM_TASKS") or env["SLURM_NTASKS"])
         node_rank = _int(env, "SLURM_NODEID") if "SLURM_NODEID" in env else 0
         info = ProcessInfo(

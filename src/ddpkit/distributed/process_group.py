@@ -111,7 +111,7 @@ class Runtime:
         if dist.is_available() and dist.is_initialized():
             dist.destroy_process_group()
 
-    def __enter__(self) -> "Runtime":
+    def __enter__(self) -> Runtime:
         return self
 
     def __exit__(self, exc_type: object, exc: BaseException | None, tb: object) -> None:
@@ -125,7 +125,10 @@ class Runtime:
 def _check_timeouts(init_timeout_s: float, train_timeout_s: float) -> None:
     problems = [
         f"{name}={value!r} must be a positive number of seconds"
-        for name, value in (("init_timeout_s", init_timeout_s), ("train_timeout_s", train_timeout_s))
+        for name, value in (
+            ("init_timeout_s", init_timeout_s),
+            ("train_timeout_s", train_timeout_s),
+        )
         if not isinstance(value, (int, float)) or isinstance(value, bool) or value <= 0
     ]
     if problems:
@@ -158,7 +161,7 @@ def init_runtime(
         A :class:`Runtime`; close it (or use ``with``) to destroy the groups.
 
     Raises:
-        ConfigError: bad backend or timeouts, or a Slurm job without ``MASTER_ADDR``/``MASTER_PORT``.
+        ConfigError: bad backend or timeouts; a Slurm job without ``MASTER_ADDR``/``MASTER_PORT``.
         DistributedError: a process group already exists (call this once per process).
 
     Example:
@@ -174,13 +177,13 @@ def init_runtime(
     if dist.is_initialized():
         raise DistributedError(
             "init_runtime: a default process group already exists. Call init_runtime once per "
-            "process, or destroy the existing group first (torch.distributed.destroy_process_group)."
+            "process, or destroy the existing group first (dist.destroy_process_group())."
         )
     missing = [name for name in ("MASTER_ADDR", "MASTER_PORT") if name not in os.environ]
     if missing and store is None:
         raise ConfigError(
             f"cannot rendezvous: {', '.join(missing)} not set (launcher={info.source}). "
-            "Start with torchrun/ddpkit run, or export MASTER_ADDR and MASTER_PORT of rank 0's node."
+            "Start with torchrun/ddpkit run, or export rank 0's MASTER_ADDR and MASTER_PORT."
         )
     if chosen == "nccl":
         torch.cuda.set_device(device)

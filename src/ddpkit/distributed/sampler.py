@@ -8,7 +8,8 @@ so global metrics count every sample once whatever the world size.
 
 from __future__ import annotations
 
-from typing import Any, Iterator, Sized
+from collections.abc import Iterator, Sized
+from typing import Any
 
 from torch.utils.data import DataLoader, Dataset, DistributedSampler, Sampler
 
@@ -30,7 +31,9 @@ class UnpaddedDistributedSampler(Sampler[int]):
 
     def __init__(self, dataset_len: int, num_replicas: int, rank: int) -> None:
         if not 0 <= rank < num_replicas:
-            raise ConfigError(f"invalid shard: rank={rank} not in [0, num_replicas={num_replicas}).")
+            raise ConfigError(
+                f"invalid shard: rank={rank} not in [0, num_replicas={num_replicas})."
+            )
         self.indices = range(rank, dataset_len, num_replicas)
 
     def __iter__(self) -> Iterator[int]:

@@ -104,7 +104,9 @@ def train_mnist(config: TrainConfig, runtime: Runtime, source: DataSource) -> di
     optimizer = build_optimizer(config.optimizer, model.parameters(), config.lr)
     train_loader = build_train_loader(train_set, runtime, config.batch_size, seed=config.seed)
     test_loader = build_eval_loader(test_set, runtime, batch_size=1000)
-    steps_per_epoch = len(train_loader) if not config.max_steps else min(config.max_steps, len(train_loader))
+    steps_per_epoch = (
+        len(train_loader) if not config.max_steps else min(config.max_steps, len(train_loader))
+    )
     schedule = torch.optim.lr_scheduler.OneCycleLR(
         optimizer, max_lr=config.lr, total_steps=steps_per_epoch * config.epochs
     )
@@ -114,8 +116,14 @@ def train_mnist(config: TrainConfig, runtime: Runtime, source: DataSource) -> di
         metrics_path.write_text("")
     log.info(
         "training %s on %d process(es), backend=%s, device=%s, %d train / %d test samples, "
-        "global batch %d", source.dataset, runtime.world_size, runtime.backend or "none",
-        runtime.device, len(train_set), len(test_set), config.batch_size * runtime.world_size,
+        "global batch %d",
+        source.dataset,
+        runtime.world_size,
+        runtime.backend or "none",
+        runtime.device,
+        len(train_set),
+        len(test_set),
+        config.batch_size * runtime.world_size,
     )
     train_time_s = samples_total = 0.0
     for epoch in range(1, config.epochs + 1):
@@ -149,8 +157,12 @@ def train_mnist(config: TrainConfig, runtime: Runtime, source: DataSource) -> di
         }
         log.info(
             "epoch %d/%d  train_loss %.4f  test_loss %.4f  test_acc %.4f  %.0f samples/s",
-            epoch, config.epochs, record["train_loss"], record["test_loss"],
-            record["test_accuracy"], record["samples_per_s"],
+            epoch,
+            config.epochs,
+            record["train_loss"],
+            record["test_loss"],
+            record["test_accuracy"],
+            record["samples_per_s"],
         )
         if runtime.is_rank_zero:
             with metrics_path.open("a") as handle:

@@ -270,9 +270,7 @@ def resolve_data(
         DataError: ``dataset="mnist"`` and the files can be neither found nor downloaded.
     """
     if dataset not in ("auto", "mnist", "digits"):
-        raise ConfigError(
-            f"unknown dataset: dataset={dataset!r}. Allowed: auto, mnist, digits."
-        )
+        raise ConfigError(f"unknown dataset: dataset={dataset!r}. Allowed: auto, mnist, digits.")
     if dataset == "digits":
         return DataSource("digits")
     if data_dir is not None:

@@ -115,7 +115,7 @@ def summarize_failure(
         ranks = ", ".join(f"rank {r} exit {c}" for r, c in sorted(exit_codes.items()))
         lines.append(f"ddpkit run: workers failed without a Python exception: {ranks}.")
     restarts = (
-        f"restarts are off (--max-restarts 0); add --max-restarts N to restart the workers"
+        "restarts are off (--max-restarts 0); add --max-restarts N to restart the workers"
         if spec.max_restarts == 0
         else f"gave up after {spec.max_restarts} restart(s)"
     )
@@ -135,8 +135,8 @@ def launch(spec: LaunchSpec) -> int:
     """
     validate_spec(spec)
     from torch.distributed import run as torchrun
-    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.elastic.multiprocessing.api import SignalException
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
     run_dir = tempfile.mkdtemp(prefix="ddpkit-run-")
     threads = spec.omp_num_threads or max(1, _usable_cores() // spec.nproc)

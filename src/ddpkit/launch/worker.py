@@ -55,7 +55,9 @@ def shutdown_and_exit(code: int) -> None:
     try:
         destroy_process_groups()
     except Exception as exc:  # a broken peer must not turn success into a hang or a traceback
-        print(f"ddpkit: process group teardown failed: {type(exc).__name__}: {exc}", file=sys.stderr)
+        print(
+            f"ddpkit: process group teardown failed: {type(exc).__name__}: {exc}", file=sys.stderr
+        )
         code = code or 1
     atexit._run_exitfuncs()
     for stream in (sys.stdout, sys.stderr):
@@ -79,14 +81,22 @@ def line_buffer_stdio() -> None:
         except (AttributeError, OSError, ValueError):
             continue  # replaced by something without a file descriptor; leave it alone
         stream.flush()
-        setattr(sys, name, open(fd, "w", buffering=1, encoding=stream.encoding,
-                                errors=stream.errors, closefd=False))
+        setattr(
+            sys,
+            name,
+            open(
+                fd, "w", buffering=1, encoding=stream.encoding, errors=stream.errors, closefd=False
+            ),
+        )
 
 
 def run_target(argv: list[str]) -> int:
     """Run ``script.py args`` or ``-m module args`` as ``__main__``; return the exit status."""
     if not argv or (argv[0] == "-m" and len(argv) < 2):
-        print("usage: python -m ddpkit.launch.worker [-m module | script.py] [args...]", file=sys.stderr)
+        print(
+            "usage: python -m ddpkit.launch.worker [-m module | script.py] [args...]",
+            file=sys.stderr,
+        )
         return 2
     try:
         if argv[0] == "-m":

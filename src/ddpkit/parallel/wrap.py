@@ -23,7 +23,7 @@ _WRAPPERS = (DistributedDataParallel, DataParallel)
 
 
 def unwrap_model(model: nn.Module) -> nn.Module:
-    """The user's module inside any DDP/DataParallel wrappers (state dict keys without ``module.``)."""
+    """The user's module inside any DDP/DataParallel wrappers (its keys lack ``module.``)."""
     while isinstance(model, _WRAPPERS):
         model = model.module
     return model

@@ -28,8 +28,9 @@ import shutil
 import tempfile
 import time
 import traceback
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any
 
 
 class DistributedTestError(AssertionError):
@@ -50,8 +51,11 @@ def _worker(
 
     os.environ.update(env)
     os.environ.update(
-        RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
-        LOCAL_WORLD_SIZE=str(world_size), OMP_NUM_THREADS="1",
+        RANK=str(rank),
+        WORLD_SIZE=str(world_size),
+        LOCAL_RANK=str(rank),
+        LOCAL_WORLD_SIZE=str(world_size),
+        OMP_NUM_THREADS="1",
     )
     os.environ.pop("MASTER_ADDR", None)
     os.environ.pop("MASTER_PORT", None)

@@ -1,13 +1,11 @@
 """Test script for the launcher: reports its rank, logs, and fails on request.
 
-    probe.py [--fail-rank R] [--pid-dir DIR] [--warn-rank R]
+probe.py [--fail-rank R] [--pid-dir DIR] [--warn-rank R]
 """
 
 import argparse
 import os
 import time
-
-import torch
 
 import ddpkit
 
