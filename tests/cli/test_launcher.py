@@ -94,7 +94,18 @@ def test_summary_names_the_earliest_record_not_torchruns_choice():
 
 def test_summary_names_a_rank_killed_by_a_signal():
     lines = summarize_failure([], {1: -9}, LaunchSpec(["x.py"], 2, max_restarts=0))
-    assert lines[0] == "ddpkit run: rank 1/2 died from signal SIGKILL without a Python exception."
+    assert lines[0] == (
+        "ddpkit run: first failure: rank 1/2 died from signal SIGKILL without a Python exception."
+    )
+
+
+def test_summary_does_not_blame_the_rank_torchrun_terminated():
+    # torchrun's report for an exit-time abort: rank 0 SIGTERM (stopped by it), rank 1 SIGABRT
+    lines = summarize_failure([], {0: -15, 1: -6}, LaunchSpec(["x.py"], 2))
+    assert lines[0] == (
+        "ddpkit run: first failure: rank 1/2 died from signal SIGABRT without a Python exception."
+    )
+    assert not any("rank 0/2" in line for line in lines)
 
 
 def test_torchrun_argv_uses_standalone_rendezvous_and_the_worker():

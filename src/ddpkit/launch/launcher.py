@@ -16,7 +16,7 @@ import os
 import shutil
 import sys
 import tempfile
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from ddpkit.errors import ConfigError
 from ddpkit.launch.failures import RUN_DIR_ENV, FailureRecord, read_records
@@ -33,14 +33,12 @@ class LaunchSpec:
         nproc: processes on this node (the world size, single node).
         max_restarts: how many times torchrun restarts the whole group after a failure.
         omp_num_threads: threads per process; ``None`` = usable cores // nproc (at least 1).
-        extra_env: variables set for every worker.
     """
 
     target: list[str]
     nproc: int
     max_restarts: int = 0
     omp_num_threads: int | None = None
-    extra_env: dict[str, str] = field(default_factory=dict)
 
 
 def _usable_cores() -> int:
@@ -96,22 +94,25 @@ def summarize_failure(
     import signal
 
     lines = []
-    killed = {
-        rank: code
+    recorded = {r.rank for r in records}
+    signals = {
+        rank: signal.Signals(-code).name
         for rank, code in exit_codes.items()
-        if code < 0 and rank not in {r.rank for r in records}
+        if code < 0 and rank not in recorded
     }
-    for rank, code in sorted(killed.items()):
+    # SIGTERM is how torchrun stops the survivors; count it as a cause only if nothing else is.
+    crashed = {rank: name for rank, name in signals.items() if name != "SIGTERM"} or signals
+    for rank, name in sorted(crashed.items()):
         lines.append(
-            f"ddpkit run: rank {rank}/{spec.nproc} died from signal "
-            f"{signal.Signals(-code).name} without a Python exception."
+            f"ddpkit run: first failure: rank {rank}/{spec.nproc} died from signal {name} "
+            "without a Python exception."
         )
     if records:
         first = records[0]
-        lines.append(f"ddpkit run: first failure: {first.headline}")
+        lines.append(f"ddpkit run: {'then' if crashed else 'first failure'}: {first.headline}")
         tail = [line for line in first.traceback.rstrip().splitlines()[-4:-1] if line.strip()]
         lines += [f"ddpkit run:   {line.strip()}" for line in tail]
-    elif not killed:
+    elif not crashed:
         ranks = ", ".join(f"rank {r} exit {c}" for r, c in sorted(exit_codes.items()))
         lines.append(f"ddpkit run: workers failed without a Python exception: {ranks}.")
     restarts = (
@@ -142,7 +143,6 @@ def launch(spec: LaunchSpec) -> int:
     threads = spec.omp_num_threads or max(1, _usable_cores() // spec.nproc)
     saved = dict(os.environ)
     os.environ.update({"OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", str(threads))})
-    os.environ.update(spec.extra_env)
     os.environ[RUN_DIR_ENV] = run_dir
     try:
         torchrun.run(torchrun.parse_args(torchrun_argv(spec)))

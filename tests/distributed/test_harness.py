@@ -1,0 +1,41 @@
+"""The test harness itself: the first failure kills every rank and carries its traceback back."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+import ddpkit
+from ddpkit.testing import DistributedTestError, run_distributed
+
+
+def _rank_one_raises(runtime):
+    if runtime.rank == 1:
+        raise KeyError("missing-shard")
+    ddpkit.all_reduce_sum([1.0], runtime)  # rank 0 waits here for a peer that never comes
+    return "unreachable"
+
+
+def _rank_one_hangs(runtime):
+    if runtime.rank == 1:
+        while True:
+            time.sleep(0.05)
+    return runtime.rank
+
+
+def test_first_failure_kills_all_ranks_with_the_traceback():
+    start = time.monotonic()
+    with pytest.raises(DistributedTestError) as info:
+        run_distributed(_rank_one_raises, 2, pg_timeout_s=60)
+    assert time.monotonic() - start < 30  # far below the 60 s collective timeout
+    message = str(info.value)
+    assert "--- rank 1 raised:" in message and "KeyError: 'missing-shard'" in message
+    assert "_rank_one_raises" in message  # the traceback names the failing function
+
+
+def test_harness_timeout_names_the_ranks_still_running():
+    with pytest.raises(
+        DistributedTestError, match=r"timed out after 25 s; ranks still running: \[1\]"
+    ):
+        run_distributed(_rank_one_hangs, 2, timeout_s=25)
