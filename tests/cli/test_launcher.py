@@ -53,6 +53,72 @@ def test_failure_stops_every_rank_fast_and_names_the_first(tmp_path):
     assert not [pid for pid in pids if pid_alive(pid)]
 
 
+@pytest.mark.parametrize(
+    "flags,expected",
+    [
+        (
+            ["--exit-rank", "1"],
+            "first failure: rank 1/2 (local rank 1, pid {pid1}): SystemExit: exit status 3",
+        ),
+        (
+            ["--kill-rank", "1", "--steps", "50"],
+            "first failure: rank 1/2 died from signal SIGKILL without a Python exception.",
+        ),
+    ],
+)
+def test_exit_and_kill_name_the_rank(tmp_path, flags, expected):
+    result = run_cli(
+        ["-m", "ddpkit", "run", "-n", "2", PROBE, "--pid-dir", str(tmp_path), *flags], timeout_s=90
+    )
+    pids = [int((tmp_path / f"rank{r}.pid").read_text()) for r in (0, 1)]
+    assert result.returncode == 1
+    assert expected.format(pid1=pids[1]) in result.stderr, result.stderr
+    assert "rank 0/2" not in result.stderr.split("first failure")[-1].splitlines()[0]
+    assert not [pid for pid in pids if pid_alive(pid)]
+
+
+def test_workers_die_with_a_killed_launcher(tmp_path):
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    launcher = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "ddpkit",
+            "run",
+            "-n",
+            "2",
+            PROBE,
+            "--pid-dir",
+            str(tmp_path),
+            "--steps",
+            "100000",
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
+    )
+    try:
+        deadline = time.monotonic() + 60
+        while len(list(tmp_path.glob("rank*.pid"))) < 2 and time.monotonic() < deadline:
+            time.sleep(0.1)
+        pids = [int((tmp_path / f"rank{r}.pid").read_text()) for r in (0, 1)]
+        launcher.send_signal(signal.SIGKILL)
+        launcher.wait(timeout=10)
+        deadline = time.monotonic() + 10
+        while any(pid_alive(pid) for pid in pids) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not [pid for pid in pids if pid_alive(pid)], "workers outlived their launcher"
+    finally:
+        try:
+            os.killpg(launcher.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
 def test_example_runs_under_ddpkit_run_and_plain_torchrun():
     for launcher in (
         ["-m", "ddpkit", "run", "-n", "2", EXAMPLE, "--epochs", "1"],
@@ -120,6 +186,9 @@ def test_torchrun_argv_uses_standalone_rendezvous_and_the_worker():
         (["-n", "0", "x.py"], "nproc=0 must be an integer >= 1"),
         (["-n", "2", "/no/such/script.py"], "script='/no/such/script.py' does not exist"),
         (["-n", "2"], "no script given"),
+        (["-n", "2", "-m", "no_such_module_xyz"], "module='no_such_module_xyz' cannot be found"),
+        (["-n", "2", "--omp-num-threads", "0", "/"], "omp_num_threads=0 must be >= 1"),
+        (["-n", "2", "/"], "script='/' is not a file"),
     ],
 )
 def test_run_rejects_bad_input_in_one_line(args, expected, capsys):

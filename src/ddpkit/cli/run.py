@@ -43,8 +43,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         type=int,
         default=None,
         metavar="T",
-        help="threads per process (default: usable cores // N; "
-        "an OMP_NUM_THREADS already set wins)",
+        help="threads per process (default: OMP_NUM_THREADS if set, else usable cores // N)",
     )
     parser.add_argument(
         "-m",

@@ -17,6 +17,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 RUN_DIR_ENV = "DDPKIT_RUN_DIR"
+LAUNCHER_PID_ENV = "DDPKIT_LAUNCHER_PID"
 
 
 @dataclass(frozen=True)
@@ -45,10 +46,11 @@ class FailureRecord:
 
     @property
     def headline(self) -> str:
-        """``rank 1/2 (local rank 1, pid 123): ValueError: boom``."""
+        """``rank 1/2 (local rank 1, pid 123): ValueError: boom`` (first line of the message)."""
+        message = self.message.strip().splitlines()[0] if self.message.strip() else ""
         return (
             f"rank {self.rank}/{self.world_size} (local rank {self.local_rank}, pid {self.pid}): "
-            f"{self.type}: {self.message}"
+            f"{self.type}: {message}"
         )
 
 
@@ -94,7 +96,7 @@ def make_record(exc: BaseException, environ: dict[str, str] | None = None) -> Fa
         world_size=int(env.get("WORLD_SIZE", 1)),
         restart=int(env.get("TORCHELASTIC_RESTART_COUNT", 0)),
         type=type(exc).__name__,
-        message=str(exc),
+        message=f"exit status {exc.code}" if isinstance(exc, SystemExit) else str(exc),
         traceback=_user_traceback(exc),
         time_s=getattr(exc, _FAILED_AT, None) or time.time(),
         pid=os.getpid(),
@@ -121,8 +123,3 @@ def read_records(run_dir: str | os.PathLike[str]) -> list[FailureRecord]:
         except (OSError, ValueError, TypeError):
             continue  # a worker killed while writing leaves only its .tmp file; skip stragglers
     return sorted(records, key=lambda r: r.time_s)
-
-
-def first_failure(records: list[FailureRecord]) -> FailureRecord | None:
-    """The record written first, i.e. the root cause; ``None`` when there is none."""
-    return min(records, key=lambda r: r.time_s, default=None)

@@ -19,7 +19,7 @@ import tempfile
 from dataclasses import dataclass
 
 from ddpkit.errors import ConfigError
-from ddpkit.launch.failures import RUN_DIR_ENV, FailureRecord, read_records
+from ddpkit.launch.failures import LAUNCHER_PID_ENV, RUN_DIR_ENV, FailureRecord, read_records
 
 WORKER_MODULE = "ddpkit.launch.worker"
 
@@ -32,7 +32,8 @@ class LaunchSpec:
         target: ``["script.py", *args]`` or ``["-m", "module", *args]``.
         nproc: processes on this node (the world size, single node).
         max_restarts: how many times torchrun restarts the whole group after a failure.
-        omp_num_threads: threads per process; ``None`` = usable cores // nproc (at least 1).
+        omp_num_threads: threads per process; ``None`` keeps an ``OMP_NUM_THREADS`` already set,
+            else usable cores // nproc (at least 1).
     """
 
     target: list[str]
@@ -48,6 +49,15 @@ def _usable_cores() -> int:
         return os.cpu_count() or 1
 
 
+def _find_module(name: str) -> object | None:
+    import importlib.util
+
+    try:
+        return importlib.util.find_spec(name)
+    except (ImportError, ValueError):  # a parent package that is missing, or an empty name
+        return None
+
+
 def validate_spec(spec: LaunchSpec) -> None:
     """Check a whole :class:`LaunchSpec` at once; one error lists every problem.
 
@@ -59,10 +69,17 @@ def validate_spec(spec: LaunchSpec) -> None:
         problems.append(f"nproc={spec.nproc!r} must be an integer >= 1")
     if spec.max_restarts < 0:
         problems.append(f"max_restarts={spec.max_restarts} must be >= 0")
+    if spec.omp_num_threads is not None and spec.omp_num_threads < 1:
+        problems.append(f"omp_num_threads={spec.omp_num_threads} must be >= 1")
     if not spec.target or spec.target == ["-m"]:
         problems.append("no script given (ddpkit run -n 2 train.py [args], or -m package.module)")
-    elif spec.target[0] != "-m" and not os.path.isfile(spec.target[0]):
+    elif spec.target[0] == "-m":
+        if _find_module(spec.target[1]) is None:
+            problems.append(f"module={spec.target[1]!r} cannot be found on sys.path")
+    elif not os.path.exists(spec.target[0]):
         problems.append(f"script={spec.target[0]!r} does not exist")
+    elif not os.path.isfile(spec.target[0]):
+        problems.append(f"script={spec.target[0]!r} is not a file")
     if problems:
         raise ConfigError(f"invalid launch: {'; '.join(problems)}.")
 
@@ -81,6 +98,13 @@ def torchrun_argv(spec: LaunchSpec) -> list[str]:
     ]
 
 
+def _traceback_tail(text: str, num_lines: int = 3) -> list[str]:
+    """The last frame lines of a traceback, without the exception line and caret markers."""
+    lines = [line.strip() for line in text.rstrip().splitlines()[:-1]]
+    lines = [line for line in lines if line and set(line) - set("^~ ")]
+    return lines[-num_lines:] if lines and lines[0].startswith("Traceback") else []
+
+
 def summarize_failure(
     records: list[FailureRecord], exit_codes: dict[int, int], spec: LaunchSpec
 ) -> list[str]:
@@ -95,13 +119,12 @@ def summarize_failure(
 
     lines = []
     recorded = {r.rank for r in records}
-    signals = {
-        rank: signal.Signals(-code).name
-        for rank, code in exit_codes.items()
-        if code < 0 and rank not in recorded
-    }
+    unrecorded = {rank: code for rank, code in exit_codes.items() if rank not in recorded}
+    signals = {rank: signal.Signals(-code).name for rank, code in unrecorded.items() if code < 0}
     # SIGTERM is how torchrun stops the survivors; count it as a cause only if nothing else is.
-    crashed = {rank: name for rank, name in signals.items() if name != "SIGTERM"} or signals
+    crashed = {rank: name for rank, name in signals.items() if name != "SIGTERM"}
+    if not crashed and not records:
+        crashed = signals
     for rank, name in sorted(crashed.items()):
         lines.append(
             f"ddpkit run: first failure: rank {rank}/{spec.nproc} died from signal {name} "
@@ -110,11 +133,11 @@ def summarize_failure(
     if records:
         first = records[0]
         lines.append(f"ddpkit run: {'then' if crashed else 'first failure'}: {first.headline}")
-        tail = [line for line in first.traceback.rstrip().splitlines()[-4:-1] if line.strip()]
-        lines += [f"ddpkit run:   {line.strip()}" for line in tail]
-    elif not crashed:
-        ranks = ", ".join(f"rank {r} exit {c}" for r, c in sorted(exit_codes.items()))
-        lines.append(f"ddpkit run: workers failed without a Python exception: {ranks}.")
+        lines += [f"ddpkit run:   {line}" for line in _traceback_tail(first.traceback)]
+    exited = {rank: code for rank, code in unrecorded.items() if code > 0}
+    if exited:
+        ranks = ", ".join(f"rank {r} exit status {c}" for r, c in sorted(exited.items()))
+        lines.append(f"ddpkit run: also failed without a Python exception: {ranks}.")
     restarts = (
         "restarts are off (--max-restarts 0); add --max-restarts N to restart the workers"
         if spec.max_restarts == 0
@@ -129,7 +152,7 @@ def launch(spec: LaunchSpec) -> int:
 
     Returns:
         0 when every worker exited 0; 1 when one failed (after the summary is printed to
-        stderr); 130 when interrupted.
+        stderr); 128 + the signal number when the launcher itself was stopped by a signal.
 
     Raises:
         ConfigError: an invalid :class:`LaunchSpec`.
@@ -140,22 +163,29 @@ def launch(spec: LaunchSpec) -> int:
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
     run_dir = tempfile.mkdtemp(prefix="ddpkit-run-")
-    threads = spec.omp_num_threads or max(1, _usable_cores() // spec.nproc)
     saved = dict(os.environ)
-    os.environ.update({"OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", str(threads))})
+    if spec.omp_num_threads is not None:
+        os.environ["OMP_NUM_THREADS"] = str(spec.omp_num_threads)
+    else:
+        os.environ.setdefault("OMP_NUM_THREADS", str(max(1, _usable_cores() // spec.nproc)))
     os.environ[RUN_DIR_ENV] = run_dir
+    os.environ[LAUNCHER_PID_ENV] = str(os.getpid())
     try:
         torchrun.run(torchrun.parse_args(torchrun_argv(spec)))
         return 0
     except ChildFailedError as exc:
-        attempt = max((r.restart for r in read_records(run_dir)), default=0)
-        records = [r for r in read_records(run_dir) if r.restart == attempt]
+        records = read_records(run_dir)
+        attempt = max((r.restart for r in records), default=0)
+        records = [r for r in records if r.restart == attempt]
         codes = {rank: failure.exitcode for rank, failure in exc.failures.items()}
         for line in summarize_failure(records, codes, spec):
             print(line, file=sys.stderr)
         return 1
-    except (SignalException, KeyboardInterrupt) as exc:
-        print(f"ddpkit run: interrupted ({exc}); all workers stopped.", file=sys.stderr)
+    except SignalException as exc:  # SIGTERM, SIGHUP, ... sent to the launcher
+        print(f"ddpkit run: stopped by {exc.sigval.name}; all workers stopped.", file=sys.stderr)
+        return 128 + int(exc.sigval)
+    except KeyboardInterrupt:
+        print("ddpkit run: interrupted; all workers stopped.", file=sys.stderr)
         return 130
     finally:
         os.environ.clear()

@@ -20,7 +20,7 @@ import sys
 
 # Before the user's script can create a process group: applies the import-order fix in there.
 import ddpkit.distributed.process_group  # noqa: F401
-from ddpkit.launch.failures import RUN_DIR_ENV, make_record, write_record
+from ddpkit.launch.failures import LAUNCHER_PID_ENV, RUN_DIR_ENV, make_record, write_record
 
 
 def _exit_code(exc: SystemExit) -> int:
@@ -34,7 +34,7 @@ def _exit_code(exc: SystemExit) -> int:
 
 
 def destroy_process_groups() -> None:
-    """Destroy the default process group (and every subgroup) if one is still alive."""
+    """Destroy the default process group (and every subgroup) if the script left one alive."""
     import torch.distributed as dist
 
     if dist.is_available() and dist.is_initialized():
@@ -90,8 +90,22 @@ def line_buffer_stdio() -> None:
         )
 
 
+def _record_failure(exc: BaseException, show_traceback: bool) -> None:
+    record = make_record(exc)
+    if os.environ.get(RUN_DIR_ENV):
+        write_record(record, os.environ[RUN_DIR_ENV])
+    if show_traceback:
+        prefix = f"[rank {record.rank}/{record.world_size}]"
+        lines = record.traceback.rstrip("\n").splitlines()
+        print("\n".join(f"{prefix} {line}" for line in lines), file=sys.stderr, flush=True)
+
+
 def run_target(argv: list[str]) -> int:
-    """Run ``script.py args`` or ``-m module args`` as ``__main__``; return the exit status."""
+    """Run ``script.py args`` or ``-m module args`` as ``__main__``; return the exit status.
+
+    A non-zero ``SystemExit`` is recorded like an exception (without a traceback), so the
+    launcher can name a rank that called ``sys.exit(3)`` or failed its argument parsing.
+    """
     if not argv or (argv[0] == "-m" and len(argv) < 2):
         print(
             "usage: python -m ddpkit.launch.worker [-m module | script.py] [args...]",
@@ -108,19 +122,38 @@ def run_target(argv: list[str]) -> int:
             sys.path.insert(0, os.path.dirname(script))
             runpy.run_path(script, run_name="__main__")
     except SystemExit as exc:
-        return _exit_code(exc)
+        code = _exit_code(exc)
+        if code != 0:
+            _record_failure(exc, show_traceback=False)
+        return code
     except BaseException as exc:  # noqa: BLE001 - every escape is recorded, KeyboardInterrupt too
-        record = make_record(exc)
-        if os.environ.get(RUN_DIR_ENV):
-            write_record(record, os.environ[RUN_DIR_ENV])
-        prefix = f"[rank {record.rank}/{record.world_size}]"
-        lines = record.traceback.rstrip("\n").splitlines()
-        print("\n".join(f"{prefix} {line}" for line in lines), file=sys.stderr, flush=True)
+        _record_failure(exc, show_traceback=True)
         return 1
     return 0
 
 
+def die_with_launcher() -> None:
+    """Ask Linux to SIGKILL this worker when its launcher dies (``PR_SET_PDEATHSIG``).
+
+    torchrun stops its workers when it exits normally or on SIGTERM/SIGINT, but a launcher killed
+    with SIGKILL (or OOM-killed) would leave them training as orphans. A no-op off Linux.
+    """
+    launcher_pid = os.environ.get(LAUNCHER_PID_ENV)
+    if not sys.platform.startswith("linux") or not launcher_pid:
+        return
+    import ctypes
+    import signal
+
+    pr_set_pdeathsig = 1  # from <linux/prctl.h>
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.prctl(pr_set_pdeathsig, signal.SIGKILL, 0, 0, 0)
+    # The launcher may have died before prctl took effect: then we are already orphaned.
+    if os.getppid() != int(launcher_pid):
+        os._exit(1)
+
+
 def main() -> None:
+    die_with_launcher()
     line_buffer_stdio()
     shutdown_and_exit(run_target(sys.argv[1:]))
 

@@ -5,6 +5,8 @@ probe.py [--fail-rank R] [--pid-dir DIR] [--warn-rank R]
 
 import argparse
 import os
+import signal
+import sys
 import time
 
 import ddpkit
@@ -12,6 +14,9 @@ import ddpkit
 parser = argparse.ArgumentParser()
 parser.add_argument("--fail-rank", type=int, default=-1)
 parser.add_argument("--warn-rank", type=int, default=-1)
+parser.add_argument("--exit-rank", type=int, default=-1, help="sys.exit(3) on this rank")
+parser.add_argument("--kill-rank", type=int, default=-1, help="SIGKILL itself at step 3")
+parser.add_argument("--steps", type=int, default=1, help="all-reduces after the checks")
 parser.add_argument("--pid-dir", default=None)
 args = parser.parse_args()
 
@@ -30,4 +35,11 @@ with ddpkit.init_runtime(init_timeout_s=60, train_timeout_s=120) as rt:
     if rt.rank == args.fail_rank:
         time.sleep(0.5)  # let the others enter the collective first
         raise ValueError("boom")
-    ddpkit.all_reduce_sum([1.0], rt)  # the collective the failing rank never joins
+    if rt.rank == args.exit_rank:
+        time.sleep(0.5)
+        sys.exit(3)
+    for step in range(args.steps):  # the collectives a failing rank never joins
+        if rt.rank == args.kill_rank and step == 3:
+            os.kill(os.getpid(), signal.SIGKILL)
+        ddpkit.all_reduce_sum([1.0], rt)
+        time.sleep(0.1)
