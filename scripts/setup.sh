@@ -21,5 +21,16 @@ if [ -n "$TORCH_SPEC" ] && ! .venv/bin/python -c "import torch" 2>/dev/null; the
       --extra-index-url https://pypi.org/simple
   fi
 fi
-"${PIP[@]}" -e ".[digits,test]"
+# Skip the (network-needing) editable install when this checkout is installed and
+# pyproject.toml has not changed since.
+stamp=.venv/.ddpkit-pyproject.sha256
+want=$(sha256sum pyproject.toml | cut -d' ' -f1)
+if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ] || ! .venv/bin/python - <<PY 2>/dev/null
+import ddpkit, sys
+sys.exit(0 if ddpkit.__file__.startswith("$PWD/src/") else 1)
+PY
+then
+  "${PIP[@]}" -e ".[digits,test]"
+  echo "$want" > "$stamp"
+fi
 .venv/bin/python -c "import torch, ddpkit; print(f'ddpkit {ddpkit.__version__} with torch {torch.__version__} in .venv')"

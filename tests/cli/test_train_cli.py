@@ -24,7 +24,8 @@ def _run(argv: list[str], capsys) -> tuple[int, str]:
         (["--nproc", "0"], "--nproc 0 must be >= 1"),
         (["--batch-size", "sixty-four"], "argument --batch-size: invalid int value"),
         (["--output-dir", "{tmp}/a-file/out"], "is a file, not a folder"),
-        (["--epochs", "0", "--lr", "-1"], "--epochs 0 must be >= 1; --lr -1.0 must be > 0"),
+        (["--epochs", "0", "--lr", "-1"], "--epochs 0 must be >= 1; --lr -1.0 must be a finite"),
+        (["--train-timeout", "inf"], "--train-timeout inf must be a finite number > 0"),
     ],
 )
 def test_bad_input_is_one_line_exit_2_nothing_written(tmp_path, capsys, extra, expected):
@@ -45,6 +46,30 @@ def test_data_dir_without_mnist_files_names_them(tmp_path, capsys):
     )
     assert code == 2
     assert "missing train-images-idx3-ubyte" in err and "t10k-labels-idx1-ubyte" in err
+
+
+def test_corrupt_data_is_refused_before_any_worker_starts(mnist_dir, tmp_path, capsys):
+    import gzip
+    import shutil
+
+    data = tmp_path / "data"
+    shutil.copytree(mnist_dir, data)
+    good = gzip.decompress((data / "t10k-images-idx3-ubyte.gz").read_bytes())
+    (data / "t10k-images-idx3-ubyte.gz").write_bytes(gzip.compress(good)[:-200])  # truncated
+    out = tmp_path / "out"
+    code, err = _run(["train", "--data-dir", str(data), "--output-dir", str(out)], capsys)
+    assert code == 2 and len(err.strip().splitlines()) == 1, err
+    assert "t10k-images-idx3-ubyte.gz" in err and "download it again" in err
+    assert not out.exists()
+
+
+def test_slurm_task_trains_in_place_instead_of_launching(tmp_path, capsys, monkeypatch):
+    # an srun task of a 2-task step must join that job, not start 2 ranks of its own
+    for name, value in {"SLURM_PROCID": "1", "SLURM_NTASKS": "2", "SLURM_LOCALID": "1"}.items():
+        monkeypatch.setenv(name, value)
+    code, err = _run(["train", "--dataset", "digits", "--output-dir", str(tmp_path / "o")], capsys)
+    assert code == 2
+    assert "MASTER_ADDR, MASTER_PORT not set (launcher=slurm)" in err
 
 
 def test_console_error_has_no_traceback(tmp_path):

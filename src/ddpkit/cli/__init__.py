@@ -37,6 +37,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     User mistakes (``DdpkitError``: bad flags, missing files) print one line and return 2.
     """
     args = build_parser().parse_args(argv)
+    args.argv = list(sys.argv[1:] if argv is None else argv)
     try:
         return int(args.handler(args) or 0)
     except DdpkitError as exc:

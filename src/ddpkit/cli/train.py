@@ -8,15 +8,18 @@ already inside a launched job (``torchrun -m ddpkit train``) — trains in this 
 from __future__ import annotations
 
 import argparse
+import math
 import os
 from dataclasses import fields
 from pathlib import Path
 
 import torch
 
+from ddpkit.distributed.env import detect_process_info
+from ddpkit.distributed.process_group import BACKENDS
 from ddpkit.errors import ConfigError
 from ddpkit.examples.mnist import OPTIMIZERS, TrainConfig, train_mnist
-from ddpkit.examples.mnist_data import DataSource, resolve_data
+from ddpkit.examples.mnist_data import DATASETS, DataSource, resolve_data
 from ddpkit.launch.launcher import LaunchSpec, launch
 
 WORKER_FLAG = "--_worker"
@@ -67,7 +70,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     )
     parser.add_argument(
         "--dataset",
-        choices=("auto", "mnist", "digits"),
+        choices=DATASETS,
         default="auto",
         help="auto: MNIST (data dir, cache or download), else the 8x8 digits",
     )
@@ -90,7 +93,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     )
     parser.add_argument(
         "--backend",
-        choices=("auto", "gloo", "nccl"),
+        choices=BACKENDS,
         default="auto",
         help="auto: nccl when each local rank has a GPU, else gloo",
     )
@@ -127,13 +130,12 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
             problems.append(f"--{name.replace('_', '-')} {getattr(args, name)} must be >= 1")
     if args.nproc is not None and args.nproc < 1:
         problems.append(f"--nproc {args.nproc} must be >= 1")
-    if not args.lr > 0:
-        problems.append(f"--lr {args.lr} must be > 0")
+    for name in ("lr", "init_timeout", "train_timeout"):
+        value = getattr(args, name)
+        if not (math.isfinite(value) and value > 0):
+            problems.append(f"--{name.replace('_', '-')} {value} must be a finite number > 0")
     if args.max_steps < 0:
         problems.append(f"--max-steps {args.max_steps} must be >= 0")
-    for name in ("init_timeout", "train_timeout"):
-        if not getattr(args, name) > 0:
-            problems.append(f"--{name.replace('_', '-')} {getattr(args, name)} must be > 0")
     problem = _output_dir_problem(Path(args.output_dir))
     if problem:
         problems.append(problem)
@@ -155,23 +157,11 @@ def _output_dir_problem(path: Path) -> str | None:
 
 
 def _worker_argv(args: argparse.Namespace, source: DataSource) -> list[str]:
-    argv = ["-m", "ddpkit", "train", WORKER_FLAG, "--dataset", source.dataset]
+    """The user's own ``train`` arguments, plus the data source the parent resolved."""
+    argv = ["-m", "ddpkit", *args.argv, WORKER_FLAG, "--dataset", source.dataset]
     if source.directory is not None:
         argv += ["--data-dir", str(source.directory)]
-    for name in (
-        "epochs",
-        "batch_size",
-        "lr",
-        "optimizer",
-        "seed",
-        "output_dir",
-        "backend",
-        "init_timeout",
-        "train_timeout",
-        "max_steps",
-    ):
-        argv += [f"--{name.replace('_', '-')}", str(getattr(args, name))]
-    return argv
+    return argv  # argparse keeps the last occurrence of a repeated option
 
 
 def _train_here(args: argparse.Namespace, config: TrainConfig, source: DataSource) -> int:
@@ -192,7 +182,7 @@ def run(args: argparse.Namespace) -> int:
         return _train_here(args, config, resolve_data(args.dataset, args.data_dir, download=False))
     source = resolve_data(args.dataset, args.data_dir, download=not args.no_download)
     Path(config.output_dir).mkdir(parents=True, exist_ok=True)
-    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:  # torchrun -m ddpkit train
+    if detect_process_info().is_distributed:  # torchrun -m ddpkit train, or srun -n 2
         return _train_here(args, config, source)
     nproc = args.nproc or default_nproc()
     if nproc == 1:

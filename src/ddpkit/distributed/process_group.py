@@ -101,8 +101,8 @@ class Runtime:
     def close(self) -> None:
         """Destroy every process group this process created. Idempotent; safe on error paths.
 
-        Not a collective: each rank tears down its own side. ddpkit's worker bootstrap also calls
-        this at exit, so the gloo threads are stopped while the interpreter is still whole.
+        Not a collective: each rank tears down its own side. (``ddpkit run``'s worker bootstrap
+        also destroys any group a script left alive before the process exits.)
         """
         if self._closed:
             return
@@ -195,5 +195,9 @@ def init_runtime(
         device_id=device if chosen == "nccl" else None,
         store=store,
     )
-    group = dist.new_group(timeout=datetime.timedelta(seconds=train_timeout_s))
+    try:
+        group = dist.new_group(timeout=datetime.timedelta(seconds=train_timeout_s))
+    except BaseException:
+        dist.destroy_process_group()
+        raise
     return Runtime(info, chosen, device, group, float(train_timeout_s))

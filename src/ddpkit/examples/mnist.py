@@ -9,8 +9,10 @@ Run it (the launcher starts the ranks; this module is what each rank executes)::
 from __future__ import annotations
 
 import json
+import math
 import os
 import time
+from collections.abc import Iterable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -27,6 +29,7 @@ from ddpkit.parallel.wrap import model_state_dict, wrap_model
 from ddpkit.training.evaluate import evaluate
 
 OPTIMIZERS = ("adam", "adamw", "sgd")
+OUTPUT_FILES = ("metrics.jsonl", "summary.json", "model.pt")
 
 
 class MnistCNN(nn.Module):
@@ -80,75 +83,96 @@ def build_optimizer(name: str, params, lr: float) -> torch.optim.Optimizer:
     return (torch.optim.AdamW if name == "adamw" else torch.optim.Adam)(params, lr=lr)
 
 
+def _finite_or_none(value: float) -> float | None:
+    return value if math.isfinite(value) else None  # JSON has no NaN/Inf
+
+
 def _write_json_atomic(path: Path, payload: dict) -> None:
     tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(json.dumps(payload, indent=2) + "\n")
+    tmp.write_text(json.dumps(payload, indent=2, allow_nan=False) + "\n")
     os.replace(tmp, path)
+
+
+def train_one_epoch(
+    model: nn.Module,
+    loader: Iterable,
+    optimizer: torch.optim.Optimizer,
+    schedule: torch.optim.lr_scheduler.LRScheduler,
+    runtime: Runtime,
+    max_steps: int,
+) -> tuple[float, float, float]:
+    """One pass over this rank's shard (at most ``max_steps`` steps).
+
+    Collective: call on every rank (DDP's backward and the final all-reduce).
+
+    Returns:
+        ``(mean train loss over all ranks' samples, global samples, seconds)``.
+    """
+    model.train()
+    start = time.perf_counter()
+    loss_sum = num_samples = 0.0
+    for step, (inputs, targets) in enumerate(loader, start=1):
+        inputs, targets = inputs.to(runtime.device), targets.to(runtime.device)
+        optimizer.zero_grad(set_to_none=True)
+        loss = F.cross_entropy(model(inputs), targets)
+        loss.backward()  # DDP all-reduces gradient buckets while backward runs
+        optimizer.step()
+        schedule.step()
+        loss_sum += float(loss.detach()) * len(targets)
+        num_samples += len(targets)
+        if step == max_steps:
+            break
+    seconds = time.perf_counter() - start
+    loss_sum, num_samples = all_reduce_sum([loss_sum, num_samples], runtime).tolist()
+    return loss_sum / num_samples, num_samples, seconds
 
 
 def train_mnist(config: TrainConfig, runtime: Runtime, source: DataSource) -> dict:
     """Train and evaluate the MNIST CNN with the runtime's strategy; rank 0 writes the outputs.
 
+    A new run replaces the outputs of an earlier run in the same ``output_dir``: rank 0 removes
+    them first, so a crash never leaves new metrics beside an old summary and model.
+
     Collective: call on every rank with the same ``config`` and ``source``.
 
     Returns:
         The summary dict (also written to ``output_dir/summary.json`` by rank 0): test_accuracy
-        (0..1), test_loss, test_samples, train_samples, world_size, backend, epochs,
+        (0..1), test_loss, test_samples, train_set_size, world_size, backend, epochs,
         samples_per_s (global training samples per second of training time), wall_s, dataset.
+        Non-finite values (a diverged run) are written as ``null``.
     """
     log = get_logger("train")
     start = time.perf_counter()
+    output_dir = Path(config.output_dir)
+    if runtime.is_rank_zero:
+        for name in OUTPUT_FILES:
+            (output_dir / name).unlink(missing_ok=True)
     torch.manual_seed(config.seed)
     train_set, test_set = source.load("train"), source.load("test")
     model = wrap_model(MnistCNN(), runtime)  # DDP when world_size > 1; replicas start equal
     optimizer = build_optimizer(config.optimizer, model.parameters(), config.lr)
     train_loader = build_train_loader(train_set, runtime, config.batch_size, seed=config.seed)
     test_loader = build_eval_loader(test_set, runtime, batch_size=1000)
-    steps_per_epoch = (
-        len(train_loader) if not config.max_steps else min(config.max_steps, len(train_loader))
-    )
+    steps = min(config.max_steps or len(train_loader), len(train_loader))
     schedule = torch.optim.lr_scheduler.OneCycleLR(
-        optimizer, max_lr=config.lr, total_steps=steps_per_epoch * config.epochs
+        optimizer, max_lr=config.lr, total_steps=steps * config.epochs
     )
-    output_dir = Path(config.output_dir)
-    metrics_path = output_dir / "metrics.jsonl"
-    if runtime.is_rank_zero:
-        metrics_path.write_text("")
     log.info(
         "training %s on %d process(es), backend=%s, device=%s, %d train / %d test samples, "
-        "global batch %d",
-        source.dataset,
-        runtime.world_size,
-        runtime.backend or "none",
-        runtime.device,
-        len(train_set),
-        len(test_set),
-        config.batch_size * runtime.world_size,
-    )
+        "global batch %d", source.dataset, runtime.world_size, runtime.backend or "none",
+        runtime.device, len(train_set), len(test_set), config.batch_size * runtime.world_size,
+    )  # fmt: skip
     train_time_s = samples_total = 0.0
     for epoch in range(1, config.epochs + 1):
-        model.train()
-        epoch_start = time.perf_counter()
-        loss_sum = num_samples = 0.0
-        for step, (inputs, targets) in enumerate(train_loader, start=1):
-            inputs, targets = inputs.to(runtime.device), targets.to(runtime.device)
-            optimizer.zero_grad(set_to_none=True)
-            loss = F.cross_entropy(model(inputs), targets)
-            loss.backward()  # DDP all-reduces gradient buckets while backward runs
-            optimizer.step()
-            schedule.step()
-            loss_sum += float(loss.detach()) * len(targets)
-            num_samples += len(targets)
-            if step == steps_per_epoch:
-                break
-        epoch_s = time.perf_counter() - epoch_start
-        loss_sum, num_samples = all_reduce_sum([loss_sum, num_samples], runtime).tolist()
+        train_loss, num_samples, epoch_s = train_one_epoch(
+            model, train_loader, optimizer, schedule, runtime, steps
+        )
         train_time_s += epoch_s
         samples_total += num_samples
         test = evaluate(model, test_loader, runtime)
         record = {
             "epoch": epoch,
-            "train_loss": loss_sum / num_samples,
+            "train_loss": train_loss,
             "test_loss": test["loss"],
             "test_accuracy": test["accuracy"],
             "test_samples": test["num_samples"],
@@ -157,33 +181,30 @@ def train_mnist(config: TrainConfig, runtime: Runtime, source: DataSource) -> di
         }
         log.info(
             "epoch %d/%d  train_loss %.4f  test_loss %.4f  test_acc %.4f  %.0f samples/s",
-            epoch,
-            config.epochs,
-            record["train_loss"],
-            record["test_loss"],
-            record["test_accuracy"],
+            epoch, config.epochs, train_loss, test["loss"], test["accuracy"],
             record["samples_per_s"],
-        )
+        )  # fmt: skip
         if runtime.is_rank_zero:
-            with metrics_path.open("a") as handle:
-                handle.write(json.dumps(record) + "\n")
+            with (output_dir / "metrics.jsonl").open("a") as handle:
+                record = {k: _finite_or_none(v) for k, v in record.items()}
+                handle.write(json.dumps(record, allow_nan=False) + "\n")
     summary = {
         "test_accuracy": test["accuracy"],
         "test_loss": test["loss"],
         "test_samples": test["num_samples"],
-        "train_samples": len(train_set),
+        "train_set_size": len(train_set),
         "world_size": runtime.world_size,
         "backend": runtime.backend or "none",
         "epochs": config.epochs,
         "samples_per_s": samples_total / train_time_s,
         "wall_s": time.perf_counter() - start,
         "dataset": source.dataset,
-        "config": asdict(config),
     }
+    summary = {k: _finite_or_none(v) if isinstance(v, float) else v for k, v in summary.items()}
+    summary["config"] = asdict(config)
     if runtime.is_rank_zero:
-        model_tmp = output_dir / ".model.pt.tmp"
-        torch.save(model_state_dict(model), model_tmp)
-        os.replace(model_tmp, output_dir / "model.pt")
+        torch.save(model_state_dict(model), output_dir / ".model.pt.tmp")
+        os.replace(output_dir / ".model.pt.tmp", output_dir / "model.pt")
         _write_json_atomic(output_dir / "summary.json", summary)
         log.info("wrote %s (metrics.jsonl, summary.json, model.pt)", output_dir)
     return summary

@@ -18,9 +18,11 @@ from __future__ import annotations
 import fcntl
 import gzip
 import hashlib
+import http.client
 import os
 import urllib.error
 import urllib.request
+import zlib
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -48,6 +50,7 @@ MIRRORS = (
     "http://yann.lecun.com/exdb/mnist/",
 )
 MIRRORS_ENV = "DDPKIT_MNIST_MIRRORS"
+DATASETS = ("auto", "mnist", "digits")
 # Mean and standard deviation of the MNIST training pixels scaled to [0, 1] (PyTorch's MNIST
 # example, pytorch/examples mnist/main.py).
 MNIST_MEAN, MNIST_STD = 0.1307, 0.3081
@@ -76,7 +79,7 @@ def read_bytes(path: Path) -> bytes:
     if data[:2] == b"\x1f\x8b":
         try:
             return gzip.decompress(data)
-        except (OSError, EOFError) as exc:
+        except (OSError, EOFError, zlib.error) as exc:
             raise DataError(
                 f"corrupt gzip file: path={path} ({exc}). Delete it and download it again."
             ) from None
@@ -151,6 +154,19 @@ def load_idx_split(directory: Path, split: str, verify: bool = True) -> TensorDa
     return TensorDataset((x - MNIST_MEAN) / MNIST_STD, torch.from_numpy(labels.astype(np.int64)))
 
 
+def verify_files(directory: Path) -> None:
+    """Check all four MNIST files in ``directory`` against their SHA-256 (about 1 s).
+
+    Raises:
+        DataError: a file is missing, not valid gzip, or fails its checksum; names the file.
+    """
+    for name in MNIST_SHA256:
+        path = find_file(directory, name)
+        if path is None:
+            raise DataError(f"MNIST file missing: {name}[.gz] not in {directory}.")
+        verify_sha256(read_bytes(path), name, path)
+
+
 def missing_files(directory: Path) -> list[str]:
     """Names of the four MNIST files not present in ``directory`` (raw or .gz)."""
     return [name for name in MNIST_SHA256 if find_file(directory, name) is None]
@@ -172,7 +188,8 @@ def _fetch_one(name: str, directory: Path, timeout_s: float) -> list[str]:
             with urllib.request.urlopen(url, timeout=timeout_s) as response:  # noqa: S310
                 payload = response.read()
             verify_sha256(gzip.decompress(payload), name, Path(url))
-        except (urllib.error.URLError, OSError, EOFError, DataError) as exc:
+        except (OSError, EOFError, ValueError, zlib.error, http.client.HTTPException) as exc:
+            # URLError is an OSError, DataError a ValueError; a malformed URL is a ValueError
             errors.append(f"{url}: {exc}")
             continue
         tmp = directory / f".{name}.gz.{os.getpid()}.tmp"
@@ -185,7 +202,7 @@ def _fetch_one(name: str, directory: Path, timeout_s: float) -> list[str]:
     return errors
 
 
-def download_mnist(directory: Path, timeout_s: float = 30.0) -> None:
+def download_mnist(directory: Path, timeout_s: float = 10.0) -> None:
     """Download the missing MNIST files into ``directory``, one process at a time.
 
     Processes that call it together (every rank, every node sharing the folder) take an
@@ -267,7 +284,8 @@ def resolve_data(
 
     Raises:
         ConfigError: unknown dataset; ``data_dir`` missing, not a folder, or lacking files.
-        DataError: ``dataset="mnist"`` and the files can be neither found nor downloaded.
+        DataError: a file found fails its checksum; or ``dataset="mnist"`` and the files can be
+            neither found nor downloaded.
     """
     if dataset not in ("auto", "mnist", "digits"):
         raise ConfigError(f"unknown dataset: dataset={dataset!r}. Allowed: auto, mnist, digits.")
@@ -286,9 +304,11 @@ def resolve_data(
                 f"data dir lacks MNIST files: data_dir={directory}, missing {', '.join(absent)} "
                 "(raw or .gz). Add them, or omit --data-dir to use the cache/download."
             )
+        verify_files(directory)
         return DataSource("mnist", directory)
     cache = default_cache_dir()
     if not missing_files(cache):
+        verify_files(cache)
         return DataSource("mnist", cache)
     if download:
         try:
