@@ -174,10 +174,14 @@ def test_summary_does_not_blame_the_rank_torchrun_terminated():
     assert not any("rank 0/2" in line for line in lines)
 
 
-def test_torchrun_argv_uses_standalone_rendezvous_and_the_worker():
-    argv = torchrun_argv(LaunchSpec(["-m", "pkg.mod", "--x", "1"], 3))
-    assert "--standalone" in argv and "--nproc-per-node=3" in argv
-    assert argv[-6:] == ["--module", "ddpkit.launch.worker", "-m", "pkg.mod", "--x", "1"]
+def test_torchrun_argv_passes_user_arguments_through_untouched():
+    from torch.distributed import run as torchrun
+
+    target = ["-m", "pkg.mod", "--nproc", "2", "--max", "1", "--", "x"]  # torchrun-like flags
+    args = torchrun.parse_args(torchrun_argv(LaunchSpec(target, 3)))
+    assert args.standalone and args.nproc_per_node == "3" and args.module
+    assert args.training_script == "ddpkit.launch.worker"
+    assert args.training_script_args == target
 
 
 @pytest.mark.parametrize(

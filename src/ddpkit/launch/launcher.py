@@ -93,6 +93,7 @@ def torchrun_argv(spec: LaunchSpec) -> list[str]:
         f"--max-restarts={spec.max_restarts}",
         "--monitor-interval=0.1",
         "--module",
+        "--",  # the rest is ours: torchrun's parser must not read "--nproc 2" as its own option
         WORKER_MODULE,
         *spec.target,
     ]
