@@ -15,6 +15,7 @@ The public API (everything else is internal)::
 Launch with ``ddpkit run -n 2 train.py`` or ``torchrun --nproc-per-node 2 train.py``.
 """
 
+from ddpkit.checkpoint.manager import CheckpointManager, load_model_state
 from ddpkit.distributed.collectives import all_reduce_sum, barrier
 from ddpkit.distributed.env import ProcessInfo, detect_process_info
 from ddpkit.distributed.process_group import Runtime, init_runtime, resolve_backend
@@ -32,6 +33,7 @@ from ddpkit.training.evaluate import evaluate
 __version__ = "0.1.0"
 
 __all__ = [
+    "CheckpointManager",
     "ConfigError",
     "DataError",
     "DdpkitError",
@@ -49,6 +51,7 @@ __all__ = [
     "evaluate",
     "get_logger",
     "init_runtime",
+    "load_model_state",
     "model_state_dict",
     "resolve_backend",
     "unwrap_model",

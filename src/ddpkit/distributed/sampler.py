@@ -11,6 +11,7 @@ from __future__ import annotations
 from collections.abc import Iterator, Sized
 from typing import Any
 
+import torch
 from torch.utils.data import DataLoader, Dataset, DistributedSampler, Sampler
 
 from ddpkit.distributed.process_group import Runtime
@@ -43,32 +44,85 @@ class UnpaddedDistributedSampler(Sampler[int]):
         return len(self.indices)
 
 
+class ResumableDistributedSampler(DistributedSampler):
+    """torch's ``DistributedSampler`` that can start its next pass part-way into the shard.
+
+    ``start_index`` (set by :meth:`ShardedLoader.load_state_dict`) drops that many of this
+    rank's indices from the next pass only; the permutation itself is torch's, unchanged.
+    """
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.start_index = 0
+
+    def __iter__(self) -> Iterator[int]:
+        indices = list(super().__iter__())
+        start, self.start_index = self.start_index, 0
+        return iter(indices[start:])
+
+    def __len__(self) -> int:
+        return self.num_samples - self.start_index
+
+
 class ShardedLoader:
     """A ``DataLoader`` over this rank's shard whose sampler epoch advances on every ``iter()``.
 
     The n-th pass over the loader (counting from 0) uses epoch ``start_epoch + n``, so each epoch
     has a new order and the ranks stay in step without a ``set_epoch`` call. Use
-    :meth:`set_epoch` to jump (for example when resuming).
+    :meth:`set_epoch` to jump, and :meth:`state_dict`/:meth:`load_state_dict` to resume exactly
+    in the middle of an epoch (every remaining sample of that epoch seen once, none twice).
 
     Attributes:
         loader: the wrapped ``torch.utils.data.DataLoader``.
-        sampler: its ``DistributedSampler``.
+        sampler: its :class:`ResumableDistributedSampler`.
         epoch: the epoch the next pass will use.
     """
 
-    def __init__(self, loader: DataLoader, sampler: DistributedSampler, start_epoch: int = 0):
+    def __init__(
+        self, loader: DataLoader, sampler: ResumableDistributedSampler, start_epoch: int = 0
+    ):
         self.loader = loader
         self.sampler = sampler
         self.epoch = start_epoch
+        self._skip_batches = 0
+        self._in_progress: list[int] | None = None  # [epoch, batches yielded] of the open pass
 
     def set_epoch(self, epoch: int) -> None:
         """Make the next pass use ``epoch``."""
         self.epoch = epoch
 
+    def state_dict(self) -> dict[str, Any]:
+        """``{"epoch", "batches_done", "generator"}``: where the next batch would come from.
+
+        A pass whose last batch was handed out counts as finished (the next epoch, 0 batches).
+        """
+        epoch, done = self.epoch, 0
+        if self._in_progress is not None and self._in_progress[1] < len(self.loader):
+            epoch, done = self._in_progress
+        return {
+            "epoch": epoch,
+            "batches_done": done,
+            "generator": self.loader.generator.get_state(),
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Make the next pass resume epoch ``state["epoch"]`` after ``batches_done`` batches."""
+        self.epoch = int(state["epoch"])
+        self._skip_batches = int(state["batches_done"])
+        self.loader.generator.set_state(state["generator"])
+
     def __iter__(self) -> Iterator[Any]:
-        self.sampler.set_epoch(self.epoch)
-        self.epoch += 1
-        return iter(self.loader)
+        epoch, skip = self.epoch, self._skip_batches
+        self.sampler.set_epoch(epoch)
+        self.sampler.start_index = skip * (self.loader.batch_size or 1)
+        self.epoch, self._skip_batches = epoch + 1, 0
+        self._in_progress = [epoch, skip]
+        try:
+            for batch in self.loader:
+                self._in_progress[1] += 1
+                yield batch
+        finally:  # exhausted, or the caller broke out: the pass is over either way
+            self._in_progress = None
 
     def __len__(self) -> int:
         return len(self.loader)
@@ -113,7 +167,7 @@ def build_train_loader(
     batch_size = _check_batch_size(batch_size)
     if len(dataset) == 0:  # type: ignore[arg-type]
         raise ConfigError("empty dataset: len(dataset)=0. Check the data path.")
-    sampler = DistributedSampler(
+    sampler = ResumableDistributedSampler(
         dataset,
         num_replicas=runtime.world_size,
         rank=runtime.rank,
@@ -121,6 +175,9 @@ def build_train_loader(
         seed=seed,
         drop_last=drop_last,
     )
+    # The loader's own generator: creating an iterator draws a seed from it (for worker
+    # processes), which would otherwise consume the global RNG once per epoch.
+    loader_kwargs.setdefault("generator", torch.Generator().manual_seed(seed))
     loader = DataLoader(dataset, batch_size=batch_size, sampler=sampler, **loader_kwargs)
     return ShardedLoader(loader, sampler)
 

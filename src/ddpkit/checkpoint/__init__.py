@@ -1,0 +1,1 @@
+"""ddpkit.checkpoint: atomic checksummed checkpoints and exact resume."""

@@ -1,0 +1,119 @@
+"""Atomic, checksummed checkpoint folders.
+
+A checkpoint is a folder ``step-00000120/`` holding ``state.pt`` and ``manifest.json``. It is
+written under a temporary name in the same parent folder, every file fsynced, then renamed into
+place in one ``rename`` and the parent folder fsynced: a reader sees either the whole checkpoint
+or none of it, and a writer killed at any moment leaves at most a ``.tmp-*`` folder behind.
+``manifest.json`` lists the SHA-256 of every file, so a later truncation or bit flip is detected.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+import os
+import shutil
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ddpkit.errors import DataError
+
+MANIFEST = "manifest.json"
+STATE_FILE = "state.pt"
+FORMAT_VERSION = 1
+
+
+def sha256_file(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as handle:
+        for block in iter(lambda: handle.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def _fsync(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def checkpoint_dir_name(step: int) -> str:
+    return f"step-{step:08d}"
+
+
+def write_checkpoint(directory: Path, step: int, state: dict[str, Any], meta: dict) -> Path:
+    """Write ``state`` as checkpoint ``step`` under ``directory`` atomically; returns its folder.
+
+    Not a collective: call it on the one rank that writes (rank 0 for replicated state).
+    An existing checkpoint of the same step is replaced.
+    """
+    directory.mkdir(parents=True, exist_ok=True)
+    final = directory / checkpoint_dir_name(step)
+    tmp = directory / f".tmp-{final.name}-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir()
+    torch.save(state, tmp / STATE_FILE)
+    _fsync(tmp / STATE_FILE)
+    manifest = {
+        "format": FORMAT_VERSION,
+        "step": step,
+        "files": {STATE_FILE: sha256_file(tmp / STATE_FILE)},
+        **meta,
+    }
+    (tmp / MANIFEST).write_text(json.dumps(manifest, indent=2))
+    _fsync(tmp / MANIFEST)
+    _fsync(tmp)
+    if final.exists():  # re-saving a step after a restart: the older ones stay as fallbacks
+        shutil.rmtree(final)
+    os.rename(tmp, final)
+    _fsync(directory)
+    return final
+
+
+def read_manifest(folder: Path) -> dict:
+    """The manifest of a checkpoint folder.
+
+    Raises:
+        DataError: missing or unreadable manifest (an incomplete checkpoint).
+    """
+    try:
+        return json.loads((folder / MANIFEST).read_text())
+    except (OSError, ValueError) as exc:
+        raise DataError(
+            f"incomplete checkpoint: path={folder} has no readable manifest ({exc})."
+        ) from None
+
+
+def load_checkpoint(folder: Path) -> dict[str, Any]:
+    """Read ``folder/state.pt`` once, check it against the manifest, and unpickle it on CPU.
+
+    Raises:
+        DataError: no manifest (incomplete), a missing file, or a SHA-256 that differs (names
+            the file and both hashes).
+    """
+    expected = read_manifest(folder).get("files", {}).get(STATE_FILE)
+    path = folder / STATE_FILE
+    try:
+        data = path.read_bytes()
+    except OSError as exc:
+        raise DataError(f"corrupt checkpoint: cannot read {path} ({exc}).") from None
+    actual = hashlib.sha256(data).hexdigest()
+    if actual != expected:
+        raise DataError(
+            f"corrupt checkpoint: path={path}, sha256={actual}, expected sha256={expected} "
+            "(truncated or altered after it was written)."
+        )
+    return torch.load(io.BytesIO(data), map_location="cpu", weights_only=False)
+
+
+def list_checkpoints(directory: Path) -> list[Path]:
+    """Checkpoint folders under ``directory`` (complete or not), newest step first."""
+    if not directory.is_dir():
+        return []
+    folders = [p for p in directory.glob("step-*") if p.is_dir() and p.name[5:].isdigit()]
+    return sorted(folders, key=lambda p: int(p.name[5:]), reverse=True)

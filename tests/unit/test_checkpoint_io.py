@@ -1,0 +1,112 @@
+"""Checkpoint files: atomic folders, checksum fallback, prefix-tolerant loading, kill-safety."""
+
+from __future__ import annotations
+
+import random
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+from torch import nn
+
+import ddpkit
+from ddpkit.checkpoint.io import list_checkpoints, load_checkpoint
+from ddpkit.distributed.env import ProcessInfo
+from ddpkit.distributed.process_group import Runtime
+from ddpkit.errors import DataError
+
+
+def _runtime() -> Runtime:
+    return Runtime(ProcessInfo(), None, torch.device("cpu"))
+
+
+def _save_steps(directory, steps, keep_last=5):
+    model = nn.Linear(3, 2)
+    ckpt = ddpkit.CheckpointManager(directory, _runtime(), keep_last=keep_last)
+    for step in steps:
+        with torch.no_grad():
+            model.weight.fill_(step)
+        ckpt.save(step, model=model)
+    return ckpt, model
+
+
+def test_keep_last_and_no_module_prefix(tmp_path):
+    _save_steps(tmp_path, [1, 2, 3, 4], keep_last=2)
+    assert [p.name for p in list_checkpoints(tmp_path)] == ["step-00000004", "step-00000003"]
+    state = load_checkpoint(tmp_path / "step-00000004")
+    assert set(state["model"]) == {"weight", "bias"}
+    assert state["step"] == 4 and state["world_size"] == 1
+
+
+def test_corrupt_newest_falls_back_to_previous_and_says_so(tmp_path, capsys):
+    ckpt, model = _save_steps(tmp_path, [10, 20])
+    newest = tmp_path / "step-00000020" / "state.pt"
+    data = bytearray(newest.read_bytes())
+    data[len(data) // 2] ^= 0xFF  # one flipped bit pattern in the middle
+    newest.write_bytes(bytes(data))
+    ddpkit.configure_logging(ProcessInfo())
+    assert ckpt.resume(model=model) == 10
+    assert model.weight.detach()[0, 0].item() == 10.0
+    err = capsys.readouterr().err
+    assert "skipping checkpoint step-00000020: corrupt checkpoint" in err
+    assert "Falling back to the previous one" in err
+    with pytest.raises(DataError, match="corrupt checkpoint"):
+        ckpt.resume(model=model, path=tmp_path / "step-00000020")
+
+
+def test_incomplete_folder_without_manifest_is_skipped(tmp_path):
+    ckpt, model = _save_steps(tmp_path, [5])
+    (tmp_path / "step-00000009").mkdir()
+    (tmp_path / "step-00000009" / "state.pt").write_bytes(b"half")
+    assert ckpt.resume(model=model) == 5
+
+
+def test_load_model_state_accepts_module_prefix_and_refuses_no_match():
+    model = nn.Linear(3, 2)
+    prefixed = {f"module.{k}": torch.ones_like(v) for k, v in model.state_dict().items()}
+    ddpkit.load_model_state(model, prefixed)
+    assert torch.equal(model.weight, torch.ones(2, 3))
+    with pytest.raises(DataError, match="matches no parameter"):
+        ddpkit.load_model_state(model, {"encoder.w": torch.ones(1)}, strict=False)
+
+
+def test_world_size_change_is_refused_naming_both(tmp_path):
+    ckpt, model = _save_steps(tmp_path, [3])
+    two = Runtime(ProcessInfo(rank=0, world_size=2, local_world_size=2), None, torch.device("cpu"))
+    with pytest.raises(DataError, match=r"world_size=1, this job has world_size=2"):
+        ddpkit.CheckpointManager(tmp_path, two).resume(model=model)
+
+
+WRITER = """
+import sys, torch, ddpkit
+from ddpkit.distributed.env import ProcessInfo
+from ddpkit.distributed.process_group import Runtime
+rt = Runtime(ProcessInfo(), None, torch.device("cpu"))
+model = torch.nn.Linear(256, 256)
+ckpt = ddpkit.CheckpointManager(sys.argv[1], rt, keep_last=2)
+step = ckpt.resume(model=model)
+print("ready", flush=True)
+while True:
+    step += 1
+    ckpt.save(step, model=model)
+"""
+
+
+def test_killing_the_writer_never_leaves_an_unloadable_newest(tmp_path):
+    rng = random.Random(0)
+    for trial in range(5):  # bench/checkpoint_kill_trials.py runs 20
+        proc = subprocess.Popen(
+            [sys.executable, "-c", WRITER, str(tmp_path)], stdout=subprocess.PIPE, text=True
+        )
+        assert proc.stdout.readline().strip() == "ready"
+        time.sleep(rng.uniform(0.05, 0.5))
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(timeout=10)
+        ckpt = ddpkit.CheckpointManager(tmp_path, _runtime())
+        found = ckpt.load_latest()
+        assert found is not None, f"trial {trial}: no loadable checkpoint"
+        newest_complete = [p for p in list_checkpoints(tmp_path) if (p / "manifest.json").exists()]
+        assert found[0] == newest_complete[0]  # the newest complete one loads, no fallback needed
