@@ -66,3 +66,61 @@ def test_train_offline_without_files_uses_digits(tmp_path):
     summary = json.loads((out / "summary.json").read_text())
     assert summary["dataset"] == "digits" and summary["test_samples"] == 360
     assert summary["test_accuracy"] > 0.8
+
+
+def test_killed_rank_restarts_and_resumes_to_the_same_parameters(tmp_path):
+    pytest.importorskip("sklearn")
+    common = [
+        "-m",
+        "ddpkit",
+        "train",
+        "--dataset",
+        "digits",
+        "--nproc",
+        "2",
+        "--epochs",
+        "2",
+        "--checkpoint-every",
+        "4",
+    ]  # 12 steps per epoch, 24 in all
+    plain = run_cli([*common, "--output-dir", str(tmp_path / "plain")], timeout_s=180)
+    assert plain.returncode == 0, plain.output
+    # rank 1 is SIGKILLed at step 10 in the first attempt; the restart resumes from step 8
+    faulty = run_cli(
+        [*common, "--max-restarts", "1", "--output-dir", str(tmp_path / "faulty")],
+        env={"DDPKIT_FAULT_INJECT": "1:10"},
+        timeout_s=240,
+    )
+    assert faulty.returncode == 0, faulty.output
+    assert "resumed from" in faulty.stdout and "step-00000008 (step 8)" in faulty.stdout
+    summaries = [
+        json.loads((tmp_path / d / "summary.json").read_text()) for d in ("plain", "faulty")
+    ]
+    assert summaries[0]["final_step"] == summaries[1]["final_step"] == 24
+    models = [torch.load(tmp_path / d / "model.pt", weights_only=True) for d in ("plain", "faulty")]
+    assert all(torch.equal(models[0][k], models[1][k]) for k in models[0])
+
+
+def test_failure_without_restarts_says_how_to_turn_them_on(tmp_path):
+    pytest.importorskip("sklearn")
+    result = run_cli(
+        [
+            "-m",
+            "ddpkit",
+            "train",
+            "--dataset",
+            "digits",
+            "--nproc",
+            "2",
+            "--epochs",
+            "1",
+            "--output-dir",
+            str(tmp_path / "o"),
+        ],
+        env={"DDPKIT_FAULT_INJECT": "0:3"},
+        timeout_s=120,
+    )
+    assert result.returncode == 1
+    last = result.stderr.strip().splitlines()[-2:]
+    assert "first failure: rank 0/2 died from signal SIGKILL" in last[0]
+    assert "restarts are off (--max-restarts 0); add --max-restarts N" in last[1]

@@ -8,8 +8,10 @@ already inside a launched job (``torchrun -m ddpkit train``) — trains in this 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import math
 import os
+import sys
 from dataclasses import fields
 from pathlib import Path
 
@@ -118,6 +120,28 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         metavar="S",
         help="stop each epoch after S steps (0 = whole epoch); for quick checks",
     )
+    parser.add_argument(
+        "--checkpoint-every",
+        type=int,
+        default=0,
+        metavar="STEPS",
+        help="save a checkpoint to OUTPUT_DIR/checkpoints every STEPS optimizer steps "
+        "(0 = never; keeps the last 3)",
+    )
+    parser.add_argument(
+        "--resume",
+        default="",
+        metavar="auto|PATH",
+        help="resume from the newest complete checkpoint in OUTPUT_DIR (auto) or from PATH",
+    )
+    parser.add_argument(
+        "--max-restarts",
+        type=int,
+        default=0,
+        metavar="R",
+        help="restart all ranks up to R times after a failure; with --checkpoint-every they "
+        "resume from the newest complete checkpoint (default 0)",
+    )
     parser.add_argument(WORKER_FLAG, action="store_true", help=argparse.SUPPRESS)
     parser.set_defaults(handler=run)
 
@@ -136,6 +160,11 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
             problems.append(f"--{name.replace('_', '-')} {value} must be a finite number > 0")
     if args.max_steps < 0:
         problems.append(f"--max-steps {args.max_steps} must be >= 0")
+    for name in ("checkpoint_every", "max_restarts"):
+        if getattr(args, name) < 0:
+            problems.append(f"--{name.replace('_', '-')} {getattr(args, name)} must be >= 0")
+    if args.resume not in ("", "auto") and not Path(args.resume).is_dir():
+        problems.append(f"--resume {args.resume} is neither 'auto' nor a checkpoint folder")
     problem = _output_dir_problem(Path(args.output_dir))
     if problem:
         problems.append(problem)
@@ -178,6 +207,9 @@ def _train_here(args: argparse.Namespace, config: TrainConfig, source: DataSourc
 
 def run(args: argparse.Namespace) -> int:
     config = config_from_args(args)
+    restarted = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") != "0"
+    if restarted and config.checkpoint_every and not config.resume:
+        config = dataclasses.replace(config, resume="auto")  # a restart continues, never redoes
     if args._worker:  # a rank started by the launcher below: the parent already resolved data
         return _train_here(args, config, resolve_data(args.dataset, args.data_dir, download=False))
     source = resolve_data(args.dataset, args.data_dir, download=not args.no_download)
@@ -189,4 +221,14 @@ def run(args: argparse.Namespace) -> int:
         return _train_here(args, config, source)
     if source.note:
         print(source.note, flush=True)
-    return launch(LaunchSpec(target=_worker_argv(args, source), nproc=nproc))
+    if args.max_restarts and not args.checkpoint_every:
+        print(
+            "ddpkit train: warning: --max-restarts without --checkpoint-every: a restarted job "
+            "starts again from step 0",
+            file=sys.stderr,
+            flush=True,
+        )
+    spec = LaunchSpec(
+        target=_worker_argv(args, source), nproc=nproc, max_restarts=args.max_restarts
+    )
+    return launch(spec)

@@ -135,6 +135,27 @@ def _check_timeouts(init_timeout_s: float, train_timeout_s: float) -> None:
         raise ConfigError(f"invalid timeout: {'; '.join(problems)}. Pass e.g. 300.")
 
 
+def _attempt_store(info: ProcessInfo, timeout_s: float) -> dist.Store:
+    """A client of torchrun's store, with keys isolated per restart attempt.
+
+    torchrun (c10d rendezvous) lets workers share the agent's TCPStore, and after a restart the
+    new workers find the previous attempt's keys still there: gloo then reads a dead peer's
+    address and fails with "connectFullMesh ... Connection refused" (pytorch/pytorch#135712).
+    Prefixing every key with the restart count gives each attempt a clean namespace. Tested on
+    one node (``ddpkit run --max-restarts``); on several nodes the agents count restarts each on
+    their own, and the torch issue above says those counts can differ.
+    """
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    client = dist.TCPStore(
+        os.environ["MASTER_ADDR"],
+        int(os.environ["MASTER_PORT"]),
+        info.world_size,
+        is_master=False,
+        timeout=datetime.timedelta(seconds=timeout_s),
+    )
+    return dist.PrefixStore(f"ddpkit/attempt_{attempt}", client)
+
+
 def init_runtime(
     backend: str = "auto",
     init_timeout_s: float = 300.0,
@@ -187,6 +208,8 @@ def init_runtime(
         )
     if chosen == "nccl":
         torch.cuda.set_device(device)
+    if store is None and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+        store = _attempt_store(info, init_timeout_s)
     dist.init_process_group(
         backend=chosen,
         rank=info.rank,

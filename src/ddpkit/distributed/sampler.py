@@ -91,6 +91,11 @@ class ShardedLoader:
         """Make the next pass use ``epoch``."""
         self.epoch = epoch
 
+    @property
+    def batches_done(self) -> int:
+        """Batches of the current pass consumed so far, counting those skipped by a resume."""
+        return self._in_progress[1] if self._in_progress is not None else 0
+
     def state_dict(self) -> dict[str, Any]:
         """``{"epoch", "batches_done", "generator"}``: where the next batch would come from.
 

@@ -11,8 +11,10 @@ from __future__ import annotations
 import json
 import math
 import os
+import shutil
+import signal
 import time
-from collections.abc import Iterable
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -20,16 +22,17 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from ddpkit.distributed.collectives import all_reduce_sum
+from ddpkit.checkpoint.manager import CheckpointManager
+from ddpkit.distributed.collectives import all_reduce_sum, barrier
 from ddpkit.distributed.process_group import Runtime
-from ddpkit.distributed.sampler import build_eval_loader, build_train_loader
+from ddpkit.distributed.sampler import ShardedLoader, build_eval_loader, build_train_loader
 from ddpkit.examples.mnist_data import DataSource
 from ddpkit.log import get_logger
 from ddpkit.parallel.wrap import model_state_dict, wrap_model
 from ddpkit.training.evaluate import evaluate
 
 OPTIMIZERS = ("adam", "adamw", "sgd")
-OUTPUT_FILES = ("metrics.jsonl", "summary.json", "model.pt")
+FAULT_ENV = "DDPKIT_FAULT_INJECT"
 
 
 class MnistCNN(nn.Module):
@@ -66,6 +69,10 @@ class TrainConfig:
         seed: seeds the model initialisation and the shuffle; the same on every rank.
         output_dir: where metrics.jsonl, summary.json and model.pt are written (rank 0 only).
         max_steps: stop each epoch after this many steps (0 = no limit); for quick checks.
+        checkpoint_every: save a checkpoint to ``output_dir/checkpoints`` every this many
+            optimizer steps (0 = never).
+        resume: ``""`` (start fresh), ``"auto"`` (the newest complete checkpoint, if any) or the
+            path of a checkpoint folder.
     """
 
     epochs: int = 1
@@ -75,6 +82,8 @@ class TrainConfig:
     seed: int = 0
     output_dir: str = "runs/mnist"
     max_steps: int = 0
+    checkpoint_every: int = 0
+    resume: str = ""
 
 
 def build_optimizer(name: str, params, lr: float) -> torch.optim.Optimizer:
@@ -95,13 +104,17 @@ def _write_json_atomic(path: Path, payload: dict) -> None:
 
 def train_one_epoch(
     model: nn.Module,
-    loader: Iterable,
+    loader: ShardedLoader,
     optimizer: torch.optim.Optimizer,
     schedule: torch.optim.lr_scheduler.LRScheduler,
     runtime: Runtime,
     max_steps: int,
+    on_step: Callable[[], None] | None = None,
 ) -> tuple[float, float, float]:
-    """One pass over this rank's shard (at most ``max_steps`` steps).
+    """One pass over this rank's shard, up to batch ``max_steps`` of the epoch.
+
+    ``on_step`` runs after every optimizer step (checkpointing hooks in there). After a resume
+    the pass starts where the checkpoint left it, and only those batches are counted.
 
     Collective: call on every rank (DDP's backward and the final all-reduce).
 
@@ -111,7 +124,7 @@ def train_one_epoch(
     model.train()
     start = time.perf_counter()
     loss_sum = num_samples = 0.0
-    for step, (inputs, targets) in enumerate(loader, start=1):
+    for inputs, targets in loader:
         inputs, targets = inputs.to(runtime.device), targets.to(runtime.device)
         optimizer.zero_grad(set_to_none=True)
         loss = F.cross_entropy(model(inputs), targets)
@@ -120,18 +133,33 @@ def train_one_epoch(
         schedule.step()
         loss_sum += float(loss.detach()) * len(targets)
         num_samples += len(targets)
-        if step == max_steps:
+        if on_step is not None:
+            on_step()
+        if loader.batches_done >= max_steps:
             break
     seconds = time.perf_counter() - start
     loss_sum, num_samples = all_reduce_sum([loss_sum, num_samples], runtime).tolist()
-    return loss_sum / num_samples, num_samples, seconds
+    return loss_sum / max(num_samples, 1.0), num_samples, seconds
+
+
+def _fault_injection(runtime: Runtime) -> int:
+    """Step at which this rank kills itself, from ``DDPKIT_FAULT_INJECT=RANK:STEP`` (0 = never).
+
+    A testing hook for restarts: it fires only in the first attempt (restart count 0).
+    """
+    spec = os.environ.get(FAULT_ENV, "")
+    if not spec or os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") != "0":
+        return 0
+    rank, step = (int(part) for part in spec.split(":"))
+    return step if rank == runtime.rank else 0
 
 
 def train_mnist(config: TrainConfig, runtime: Runtime, source: DataSource) -> dict:
     """Train and evaluate the MNIST CNN with the runtime's strategy; rank 0 writes the outputs.
 
-    A new run replaces the outputs of an earlier run in the same ``output_dir``: rank 0 removes
-    them first, so a crash never leaves new metrics beside an old summary and model.
+    A fresh run replaces the outputs (and checkpoints) of an earlier run in the same
+    ``output_dir``: rank 0 removes them first, so a crash never leaves new metrics beside an old
+    summary, and a restart never resumes another run's checkpoint. A resumed run keeps them.
 
     Collective: call on every rank with the same ``config`` and ``source``.
 
@@ -144,9 +172,13 @@ def train_mnist(config: TrainConfig, runtime: Runtime, source: DataSource) -> di
     log = get_logger("train")
     start = time.perf_counter()
     output_dir = Path(config.output_dir)
+    if runtime.is_rank_zero and not config.resume:
+        shutil.rmtree(output_dir / "checkpoints", ignore_errors=True)
+        (output_dir / "metrics.jsonl").unlink(missing_ok=True)
     if runtime.is_rank_zero:
-        for name in OUTPUT_FILES:
+        for name in ("summary.json", "model.pt"):
             (output_dir / name).unlink(missing_ok=True)
+    barrier(runtime)  # nobody looks for checkpoints before the stale ones are gone
     torch.manual_seed(config.seed)
     train_set, test_set = source.load("train"), source.load("test")
     model = wrap_model(MnistCNN(), runtime)  # DDP when world_size > 1; replicas start equal
@@ -157,15 +189,33 @@ def train_mnist(config: TrainConfig, runtime: Runtime, source: DataSource) -> di
     schedule = torch.optim.lr_scheduler.OneCycleLR(
         optimizer, max_lr=config.lr, total_steps=steps * config.epochs
     )
+    ckpt = CheckpointManager(
+        output_dir / "checkpoints", runtime, every_steps=config.checkpoint_every
+    )
+    state = {"model": model, "optimizer": optimizer, "scheduler": schedule, "loader": train_loader}
+    step = 0
+    if config.resume:
+        step = ckpt.resume(**state, path=None if config.resume == "auto" else config.resume)
+    kill_at = _fault_injection(runtime)
+
+    def on_step() -> None:
+        nonlocal step
+        step += 1
+        if step == kill_at:
+            os.kill(os.getpid(), signal.SIGKILL)
+        ckpt.maybe_save(step, **state)
+
     log.info(
         "training %s on %d process(es), backend=%s, device=%s, %d train / %d test samples, "
         "global batch %d", source.dataset, runtime.world_size, runtime.backend or "none",
         runtime.device, len(train_set), len(test_set), config.batch_size * runtime.world_size,
     )  # fmt: skip
     train_time_s = samples_total = 0.0
-    for epoch in range(1, config.epochs + 1):
+    test = {"loss": math.nan, "accuracy": math.nan, "num_samples": 0}
+    while train_loader.epoch < config.epochs:
+        epoch = train_loader.epoch + 1
         train_loss, num_samples, epoch_s = train_one_epoch(
-            model, train_loader, optimizer, schedule, runtime, steps
+            model, train_loader, optimizer, schedule, runtime, steps, on_step
         )
         train_time_s += epoch_s
         samples_total += num_samples
@@ -196,7 +246,8 @@ def train_mnist(config: TrainConfig, runtime: Runtime, source: DataSource) -> di
         "world_size": runtime.world_size,
         "backend": runtime.backend or "none",
         "epochs": config.epochs,
-        "samples_per_s": samples_total / train_time_s,
+        "samples_per_s": samples_total / train_time_s if train_time_s else math.nan,
+        "final_step": step,
         "wall_s": time.perf_counter() - start,
         "dataset": source.dataset,
     }
