@@ -54,7 +54,19 @@ def test_train_offline_without_files_uses_digits(tmp_path):
     pytest.importorskip("sklearn")
     out = tmp_path / "run"
     result = run_cli(
-        ["-m", "ddpkit", "train", "--nproc", "2", "--epochs", "3", "--output-dir", str(out)],
+        [
+            "-m",
+            "ddpkit",
+            "train",
+            "--nproc",
+            "2",
+            "--epochs",
+            "3",
+            "--output-dir",
+            str(out),
+            "--max-restarts",
+            "1",
+        ],
         env={
             "DDPKIT_CACHE_DIR": str(tmp_path / "cache"),
             "DDPKIT_MNIST_MIRRORS": "http://127.0.0.1:1/",
@@ -63,6 +75,9 @@ def test_train_offline_without_files_uses_digits(tmp_path):
     )
     assert result.returncode == 0, result.output
     assert result.stdout.count("MNIST unavailable") == 1
+    assert (
+        "--max-restarts without --checkpoint-every: a restarted job starts again" in result.stderr
+    )
     summary = json.loads((out / "summary.json").read_text())
     assert summary["dataset"] == "digits" and summary["test_samples"] == 360
     assert summary["test_accuracy"] > 0.8
@@ -121,6 +136,7 @@ def test_failure_without_restarts_says_how_to_turn_them_on(tmp_path):
         timeout_s=120,
     )
     assert result.returncode == 1
-    last = result.stderr.strip().splitlines()[-2:]
-    assert "first failure: rank 0/2 died from signal SIGKILL" in last[0]
-    assert "restarts are off (--max-restarts 0); add --max-restarts N" in last[1]
+    summary = [line for line in result.stderr.splitlines() if line.startswith("ddpkit run:")]
+    assert "first failure: rank 0/2 died from signal SIGKILL" in summary[0]
+    assert result.stderr.strip().splitlines()[-1] == summary[-1]  # the summary ends the output
+    assert "restarts are off (--max-restarts 0); add --max-restarts N" in summary[-1]

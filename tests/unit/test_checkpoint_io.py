@@ -110,3 +110,15 @@ def test_killing_the_writer_never_leaves_an_unloadable_newest(tmp_path):
         assert found is not None, f"trial {trial}: no loadable checkpoint"
         newest_complete = [p for p in list_checkpoints(tmp_path) if (p / "manifest.json").exists()]
         assert found[0] == newest_complete[0]  # the newest complete one loads, no fallback needed
+
+
+def test_every_steps_and_every_epochs(tmp_path):
+    model = nn.Linear(2, 2)
+    ckpt = ddpkit.CheckpointManager(
+        tmp_path, _runtime(), keep_last=10, every_steps=3, every_epochs=2
+    )
+    saved = [s for s in range(1, 8) if ckpt.maybe_save(s, model=model)]
+    saved += [100 + e for e in range(1, 5) if ckpt.maybe_save_epoch(e, 100 + e, model=model)]
+    assert saved == [3, 6, 102, 104]
+    with pytest.raises(ddpkit.ConfigError, match="keep_last=0"):
+        ddpkit.CheckpointManager(tmp_path, _runtime(), keep_last=0)

@@ -91,23 +91,30 @@ class CheckpointManager:
         runtime: the job's :class:`~ddpkit.Runtime`.
         keep_last: complete checkpoints to keep (older ones are deleted by rank 0), >= 1.
         every_steps: :meth:`maybe_save` saves when ``step % every_steps == 0`` (0 = never).
+        every_epochs: :meth:`maybe_save_epoch` saves after every this many epochs (0 = never).
 
     Raises:
-        ConfigError: ``keep_last < 1`` or ``every_steps < 0``.
+        ConfigError: ``keep_last < 1``, or a negative ``every_steps``/``every_epochs``.
     """
 
     def __init__(
-        self, directory: str | Path, runtime: Runtime, keep_last: int = 3, every_steps: int = 0
+        self,
+        directory: str | Path,
+        runtime: Runtime,
+        keep_last: int = 3,
+        every_steps: int = 0,
+        every_epochs: int = 0,
     ) -> None:
-        if keep_last < 1 or every_steps < 0:
+        if keep_last < 1 or every_steps < 0 or every_epochs < 0:
             raise ConfigError(
                 f"invalid checkpoint settings: keep_last={keep_last} (must be >= 1), "
-                f"every_steps={every_steps} (must be >= 0)."
+                f"every_steps={every_steps}, every_epochs={every_epochs} (must be >= 0)."
             )
         self.directory = Path(directory)
         self.runtime = runtime
         self.keep_last = keep_last
         self.every_steps = every_steps
+        self.every_epochs = every_epochs
 
     def save(
         self,
@@ -150,6 +157,16 @@ class CheckpointManager:
     def maybe_save(self, step: int, **state: Any) -> Path | None:
         """:meth:`save` when ``every_steps`` divides ``step``. Collective like :meth:`save`."""
         if self.every_steps and step % self.every_steps == 0:
+            return self.save(step, **state)
+        return None
+
+    def maybe_save_epoch(self, epoch: int, step: int, **state: Any) -> Path | None:
+        """After epoch ``epoch`` (1-based) ends: :meth:`save` when ``every_epochs`` divides it.
+
+        Collective like :meth:`save`; call it once the loader's pass is over, so the checkpoint
+        resumes at the start of the next epoch.
+        """
+        if self.every_epochs and epoch % self.every_epochs == 0:
             return self.save(step, **state)
         return None
 
