@@ -7,7 +7,7 @@ import sys
 from collections.abc import Sequence
 from typing import NoReturn
 
-from ddpkit.errors import DdpkitError
+from ddpkit.errors import ConfigError, DataError, DdpkitError
 
 
 class OneLineParser(argparse.ArgumentParser):
@@ -34,12 +34,17 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``ddpkit`` console script; returns the exit status.
 
-    User mistakes (``DdpkitError``: bad flags, missing files) print one line and return 2.
+    User mistakes (bad flags, missing or corrupt files) print one line and return 2; other
+    ddpkit errors (a NaN loss, diverged replicas) print one line and return 1. Inside a worker
+    that ``ddpkit run`` started, errors propagate instead, so the launcher's failure summary
+    names the rank with the exception type and message.
     """
     args = build_parser().parse_args(argv)
     args.argv = list(sys.argv[1:] if argv is None else argv)
     try:
         return int(args.handler(args) or 0)
     except DdpkitError as exc:
+        if getattr(args, "_worker", False):
+            raise
         print(f"ddpkit {args.command}: error: {exc}", file=sys.stderr)
-        return 2
+        return 2 if isinstance(exc, (ConfigError, DataError)) else 1

@@ -142,6 +142,20 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         help="restart all ranks up to R times after a failure; with --checkpoint-every they "
         "resume from the newest complete checkpoint (default 0)",
     )
+    parser.add_argument(
+        "--on-nonfinite",
+        choices=("raise", "skip", "off"),
+        default="raise",
+        help="NaN/Inf loss or gradient on any rank: every rank raises naming the rank and step "
+        "(default), every rank skips that step, or no check (one tiny all-reduce per step)",
+    )
+    parser.add_argument(
+        "--check-replicas-every",
+        type=int,
+        default=0,
+        metavar="N",
+        help="compare parameter checksums across ranks every N steps (0 = never)",
+    )
     parser.add_argument(WORKER_FLAG, action="store_true", help=argparse.SUPPRESS)
     parser.set_defaults(handler=run)
 
@@ -160,7 +174,7 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
             problems.append(f"--{name.replace('_', '-')} {value} must be a finite number > 0")
     if args.max_steps < 0:
         problems.append(f"--max-steps {args.max_steps} must be >= 0")
-    for name in ("checkpoint_every", "max_restarts"):
+    for name in ("checkpoint_every", "max_restarts", "check_replicas_every"):
         if getattr(args, name) < 0:
             problems.append(f"--{name.replace('_', '-')} {getattr(args, name)} must be >= 0")
     if args.resume not in ("", "auto") and not Path(args.resume).is_dir():

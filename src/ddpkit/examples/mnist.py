@@ -27,6 +27,7 @@ from ddpkit.distributed.collectives import all_reduce_sum, barrier
 from ddpkit.distributed.process_group import Runtime
 from ddpkit.distributed.sampler import ShardedLoader, build_eval_loader, build_train_loader
 from ddpkit.examples.mnist_data import DataSource
+from ddpkit.guards.nonfinite import NonFiniteGuard, check_replicas
 from ddpkit.log import get_logger
 from ddpkit.parallel.wrap import model_state_dict, wrap_model
 from ddpkit.training.evaluate import evaluate
@@ -73,6 +74,10 @@ class TrainConfig:
             optimizer steps (0 = never).
         resume: ``""`` (start fresh), ``"auto"`` (the newest complete checkpoint, if any) or the
             path of a checkpoint folder.
+        on_nonfinite: ``raise`` (every rank stops, naming the rank and step), ``skip`` (every
+            rank skips that step) or ``off`` (no check) for a NaN/Inf loss or gradient.
+        check_replicas_every: compare parameter checksums across ranks every this many steps
+            (0 = never); raises naming the rank and parameters that differ.
     """
 
     epochs: int = 1
@@ -84,6 +89,8 @@ class TrainConfig:
     max_steps: int = 0
     checkpoint_every: int = 0
     resume: str = ""
+    on_nonfinite: str = "raise"
+    check_replicas_every: int = 0
 
 
 def build_optimizer(name: str, params, lr: float) -> torch.optim.Optimizer:
@@ -110,10 +117,12 @@ def train_one_epoch(
     runtime: Runtime,
     max_steps: int,
     on_step: Callable[[], None] | None = None,
+    may_step: Callable[[torch.Tensor], bool] | None = None,
 ) -> tuple[float, float, float]:
     """One pass over this rank's shard, up to batch ``max_steps`` of the epoch.
 
-    ``on_step`` runs after every optimizer step (checkpointing hooks in there). After a resume
+    ``may_step(loss)`` runs after backward and decides whether the optimizer steps (the
+    non-finite guard); ``on_step`` runs after every step, taken or skipped. After a resume
     the pass starts where the checkpoint left it, and only those batches are counted.
 
     Collective: call on every rank (DDP's backward and the final all-reduce).
@@ -129,8 +138,9 @@ def train_one_epoch(
         optimizer.zero_grad(set_to_none=True)
         loss = F.cross_entropy(model(inputs), targets)
         loss.backward()  # DDP all-reduces gradient buckets while backward runs
-        optimizer.step()
-        schedule.step()
+        if may_step is None or may_step(loss):
+            optimizer.step()
+            schedule.step()
         loss_sum += float(loss.detach()) * len(targets)
         num_samples += len(targets)
         if on_step is not None:
@@ -197,12 +207,18 @@ def train_mnist(config: TrainConfig, runtime: Runtime, source: DataSource) -> di
     if config.resume:
         step = ckpt.resume(**state, path=None if config.resume == "auto" else config.resume)
     kill_at = _fault_injection(runtime)
+    guard = None if config.on_nonfinite == "off" else NonFiniteGuard(runtime, config.on_nonfinite)
+
+    def may_step(loss: torch.Tensor) -> bool:
+        return guard is None or guard.check(step + 1, loss, model)
 
     def on_step() -> None:
         nonlocal step
         step += 1
         if step == kill_at:
             os.kill(os.getpid(), signal.SIGKILL)
+        if config.check_replicas_every and step % config.check_replicas_every == 0:
+            check_replicas(model, runtime, step)
         ckpt.maybe_save(step, **state)
 
     log.info(
@@ -215,7 +231,7 @@ def train_mnist(config: TrainConfig, runtime: Runtime, source: DataSource) -> di
     while train_loader.epoch < config.epochs:
         epoch = train_loader.epoch + 1
         train_loss, num_samples, epoch_s = train_one_epoch(
-            model, train_loader, optimizer, schedule, runtime, steps, on_step
+            model, train_loader, optimizer, schedule, runtime, steps, on_step, may_step
         )
         train_time_s += epoch_s
         samples_total += num_samples

@@ -97,7 +97,7 @@ def make_record(exc: BaseException, environ: dict[str, str] | None = None) -> Fa
         restart=int(env.get("TORCHELASTIC_RESTART_COUNT", 0)),
         type=type(exc).__name__,
         message=f"exit status {exc.code}" if isinstance(exc, SystemExit) else str(exc),
-        traceback=_user_traceback(exc),
+        traceback="" if isinstance(exc, SystemExit) else _user_traceback(exc),
         time_s=getattr(exc, _FAILED_AT, None) or time.time(),
         pid=os.getpid(),
     )

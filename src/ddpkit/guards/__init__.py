@@ -1,0 +1,1 @@
+"""ddpkit.guards: cross-rank checks that fail fast and name the rank."""

@@ -1,0 +1,152 @@
+"""Cross-rank guards: a non-finite loss or gradient decided by all ranks together, step counters
+compared, and a replica-divergence check.
+
+Each check is one small all-reduce/all-gather, so every rank reaches the same decision: all
+skip the step or all raise, and nobody waits in a collective the others skipped.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from ddpkit.distributed.process_group import Runtime
+from ddpkit.errors import DistributedError
+
+MODES = ("skip", "raise")
+
+
+class NonFiniteError(DistributedError):
+    """A rank's loss or gradients held NaN/Inf (raised on every rank, naming the culprits)."""
+
+
+class ReplicaDivergenceError(DistributedError):
+    """Replicas that should be identical differ (raised on every rank)."""
+
+
+def _local_nonfinite(loss: torch.Tensor, model: nn.Module) -> int:
+    """2: the loss is non-finite; 1: only gradients are; 0: all finite."""
+    if not bool(torch.isfinite(loss.detach()).all()):
+        return 2
+    return int(
+        any(
+            p.grad is not None and not bool(torch.isfinite(p.grad).all())
+            for p in model.parameters()
+        )
+    )
+
+
+class NonFiniteGuard:
+    """Decide, across ranks, whether this step's loss and gradients are all finite.
+
+    Call :meth:`check` after ``backward()`` and before ``optimizer.step()`` on every rank.
+
+    Args:
+        runtime: the job's :class:`~ddpkit.Runtime`.
+        mode: ``"skip"`` (every rank skips the step and zeroes its gradients) or ``"raise"``
+            (every rank raises :class:`NonFiniteError` naming the ranks and the step).
+
+    Attributes:
+        num_skipped: steps skipped so far (the same on every rank).
+    """
+
+    def __init__(self, runtime: Runtime, mode: str = "skip") -> None:
+        if mode not in MODES:
+            raise ValueError(f"unknown mode: mode={mode!r}. Allowed: {', '.join(MODES)}.")
+        self.runtime = runtime
+        self.mode = mode
+        self.num_skipped = 0
+
+    def check(self, step: int, loss: torch.Tensor, model: nn.Module) -> bool:
+        """True when every rank's loss and gradients are finite (go ahead and step).
+
+        Collective: call on every rank, every step. It also compares the ranks' ``step``
+        counters, so a loop that skipped a step on one rank only is reported instead of
+        averaging mismatched gradients or hanging later.
+
+        Raises:
+            NonFiniteError: in ``raise`` mode, when any rank is non-finite.
+            DistributedError: the ranks passed different ``step`` values.
+        """
+        world, rank = self.runtime.world_size, self.runtime.rank
+        # slots [0, world): 2 = loss non-finite, 1 = gradients only; [world, 2 world): steps
+        report = torch.zeros(2 * world, dtype=torch.float64)
+        report[rank] = float(_local_nonfinite(loss, model))
+        report[world + rank] = float(step)
+        if self.runtime.process_group is not None:
+            report = report.to(self.runtime.device)
+            dist.all_reduce(report, group=self.runtime.process_group)
+            report = report.cpu()
+        steps = [int(s) for s in report[world:].tolist()]
+        if len(set(steps)) > 1:
+            listing = ", ".join(f"rank {r} at step {s}" for r, s in enumerate(steps))
+            raise DistributedError(
+                f"step counters differ across ranks: {listing}. A rank skipped or repeated a "
+                "step on its own; make every rank take the same steps (use NonFiniteGuard's "
+                "decision instead of a local one)."
+            )
+        bad_loss = [str(r) for r in range(world) if report[r] == 2]
+        bad_grad = [str(r) for r in range(world) if report[r] == 1]
+        if not bad_loss and not bad_grad:
+            return True
+        if self.mode == "raise":
+            # DDP averages gradients, so one rank's NaN loss makes every rank's gradients NaN:
+            # the loss flags name where it started.
+            what = (
+                f"non-finite loss at step {step} on rank(s) {', '.join(bad_loss)}"
+                if bad_loss
+                else f"non-finite gradients at step {step} on rank(s) {', '.join(bad_grad)}"
+            )
+            raise NonFiniteError(
+                f"{what}. Lower the learning rate, check that step's inputs, or skip such steps "
+                "(mode='skip')."
+            )
+        self.num_skipped += 1
+        for param in model.parameters():
+            param.grad = None
+        return False
+
+
+def parameter_checksums(model: nn.Module) -> tuple[list[str], torch.Tensor]:
+    """Names and a ``(num_tensors, 2)`` float64 checksum (sum, sum of squares) per tensor."""
+    names, rows = [], []
+    for name, tensor in list(model.named_parameters()) + list(model.named_buffers()):
+        data = tensor.detach().to(torch.float64)
+        names.append(name)
+        rows.append(torch.stack([data.sum(), (data * data).sum()]))
+    return names, torch.stack(rows).cpu() if rows else torch.zeros(0, 2, dtype=torch.float64)
+
+
+def check_replicas(model: nn.Module, runtime: Runtime, step: int) -> None:
+    """Raise on every rank if any rank's parameters or buffers differ from rank 0's.
+
+    One checksum pair per tensor is all-gathered (a few bytes per tensor). DDP keeps replicas
+    bitwise identical, so checksums are compared exactly.
+
+    Collective: call on every rank at the same step. A no-op at world size 1.
+
+    Raises:
+        ReplicaDivergenceError: ``replicas diverged at step N: rank r differs in <names>``.
+    """
+    if runtime.process_group is None:
+        return
+    names, local = parameter_checksums(model)
+    gathered = [torch.empty_like(local) for _ in range(runtime.world_size)]
+    dist.all_gather(gathered, local.to(runtime.device), group=runtime.process_group)
+    reference = gathered[0].cpu()
+    problems = []
+    for rank, other in enumerate(gathered[1:], start=1):
+        differs = [
+            n
+            for n, a, b in zip(names, reference, other.cpu(), strict=True)
+            if not torch.equal(a, b)
+        ]
+        if differs:
+            problems.append(f"rank {rank} differs in {', '.join(differs)}")
+    if problems:
+        raise ReplicaDivergenceError(
+            f"replicas diverged at step {step}: {'; '.join(problems)} (compared with rank 0). "
+            "Something changed one replica outside DDP (a rank-dependent update, a skipped "
+            "all-reduce, a broadcast missed)."
+        )

@@ -1,0 +1,78 @@
+"""Cross-rank guards: NaN on one rank decided by all, divergence named, step skew caught."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+import ddpkit
+from ddpkit.guards.nonfinite import NonFiniteGuard, check_replicas
+from ddpkit.testing import DistributedTestError, run_distributed
+
+
+def _train_with_nan(runtime, mode: str):
+    torch.manual_seed(0)
+    model = ddpkit.wrap_model(nn.Linear(4, 2), runtime)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    guard = NonFiniteGuard(runtime, mode)
+    stepped = []
+    for step in range(1, 6):
+        optimizer.zero_grad()
+        loss = F.mse_loss(model(torch.ones(3, 4) * step), torch.zeros(3, 2))
+        if runtime.rank == 1 and step == 3:
+            loss = loss * float("nan")  # NaN only in rank 1's loss
+        loss.backward()
+        try:
+            if guard.check(step, loss, model):
+                optimizer.step()
+                stepped.append(step)
+        except ddpkit.DistributedError as exc:
+            return {"error": str(exc)}
+    check_replicas(model, runtime, step=5)  # raises if the replicas differ
+    params = torch.cat([p.detach().flatten() for p in model.parameters()])
+    return {
+        "stepped": stepped,
+        "skipped": guard.num_skipped,
+        "finite": bool(params.isfinite().all()),
+    }
+
+
+def test_nan_on_one_rank_is_skipped_by_all():
+    results = run_distributed(_train_with_nan, 2, args=("skip",))
+    assert results[0] == results[1] == {"stepped": [1, 2, 4, 5], "skipped": 1, "finite": True}
+
+
+def test_nan_on_one_rank_raises_on_all_naming_rank_and_step():
+    results = run_distributed(_train_with_nan, 2, args=("raise",))
+    for result in results:
+        assert "non-finite loss at step 3 on rank(s) 1." in result["error"]
+
+
+def _perturb_one_rank(runtime):
+    model = ddpkit.wrap_model(nn.Sequential(nn.Linear(3, 3), nn.Linear(3, 1)), runtime)
+    if runtime.rank == 2:
+        with torch.no_grad():
+            ddpkit.unwrap_model(model)[1].weight[0, 0] += 1e-6
+    check_replicas(model, runtime, step=7)
+
+
+def test_divergence_names_rank_and_parameter():
+    with pytest.raises(DistributedTestError) as info:
+        run_distributed(_perturb_one_rank, 3)
+    assert "replicas diverged at step 7: rank 2 differs in module.1.weight" in str(info.value)
+
+
+def _skewed_steps(runtime):
+    model = nn.Linear(2, 1)
+    model(torch.ones(1, 2)).sum().backward()
+    NonFiniteGuard(runtime).check(4 if runtime.rank == 0 else 5, torch.tensor(1.0), model)
+
+
+def test_step_counter_skew_is_reported():
+    with pytest.raises(DistributedTestError) as info:
+        run_distributed(_skewed_steps, 2)
+    assert "step counters differ across ranks: rank 0 at step 4, rank 1 at step 5" in str(
+        info.value
+    )
