@@ -140,3 +140,29 @@ def test_failure_without_restarts_says_how_to_turn_them_on(tmp_path):
     assert "first failure: rank 0/2 died from signal SIGKILL" in summary[0]
     assert result.stderr.strip().splitlines()[-1] == summary[-1]  # the summary ends the output
     assert "restarts are off (--max-restarts 0); add --max-restarts N" in summary[-1]
+
+
+def test_nan_loss_stops_every_rank_naming_the_step(tmp_path):
+    pytest.importorskip("sklearn")
+    result = run_cli(
+        [
+            "-m",
+            "ddpkit",
+            "train",
+            "--dataset",
+            "digits",
+            "--nproc",
+            "2",
+            "--epochs",
+            "1",
+            "--lr",
+            "1e9",
+            "--output-dir",
+            str(tmp_path / "o"),
+        ],
+        timeout_s=120,
+    )
+    assert result.returncode == 1
+    summary = [line for line in result.stderr.splitlines() if line.startswith("ddpkit run:")]
+    assert "NonFiniteError: non-finite loss at step" in summary[0]
+    assert not (tmp_path / "o" / "summary.json").exists()
