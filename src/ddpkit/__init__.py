@@ -15,7 +15,8 @@ The public API (everything else is internal)::
 Launch with ``ddpkit run -n 2 train.py`` or ``torchrun --nproc-per-node 2 train.py``.
 """
 
-from ddpkit.checkpoint.manager import CheckpointManager, load_model_state
+from ddpkit.checkpoint.manager import CheckpointManager
+from ddpkit.checkpoint.state import load_model_state
 from ddpkit.distributed.collectives import all_reduce_sum, barrier
 from ddpkit.distributed.env import ProcessInfo, detect_process_info
 from ddpkit.distributed.process_group import Runtime, init_runtime, resolve_backend

@@ -79,3 +79,42 @@ def test_console_error_has_no_traceback(tmp_path):
     assert result.returncode == 2
     assert result.stderr.count("\n") == 1 and "Traceback" not in result.stderr
     assert result.stderr.startswith("ddpkit train: error: data dir not found")
+
+
+def test_resume_with_other_settings_is_refused_before_launch(tmp_path, capsys):
+    import torch
+
+    from ddpkit.checkpoint.io import write_checkpoint
+
+    out = tmp_path / "run"
+    settings = {
+        "epochs": 1,
+        "batch_size": 64,
+        "lr": 0.003,
+        "optimizer": "adam",
+        "seed": 0,
+        "max_steps": 0,
+        "dataset": "digits",
+    }
+    write_checkpoint(out / "checkpoints", 8, {"step": 8}, {"world_size": 2, "extra": settings})
+    (out / "summary.json").write_text("{}")
+    code, err = _run(
+        [
+            "train",
+            "--dataset",
+            "digits",
+            "--nproc",
+            "3",
+            "--batch-size",
+            "32",
+            "--resume",
+            "auto",
+            "--output-dir",
+            str(out),
+        ],
+        capsys,
+    )
+    assert code == 2 and len(err.strip().splitlines()) == 1, err
+    assert "world_size 2 (this job: 3)" in err and "batch_size 64 (this job: 32)" in err
+    assert (out / "summary.json").exists()  # nothing of the earlier run was removed
+    assert torch.load(out / "checkpoints" / "step-00000008" / "state.pt")["step"] == 8

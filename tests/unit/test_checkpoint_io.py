@@ -47,14 +47,15 @@ def test_corrupt_newest_falls_back_to_previous_and_says_so(tmp_path, capsys):
     data = bytearray(newest.read_bytes())
     data[len(data) // 2] ^= 0xFF  # one flipped bit pattern in the middle
     newest.write_bytes(bytes(data))
+    with pytest.raises(DataError, match="corrupt checkpoint"):
+        ckpt.resume(model=model, path=tmp_path / "step-00000020")
     ddpkit.configure_logging(ProcessInfo())
     assert ckpt.resume(model=model) == 10
     assert model.weight.detach()[0, 0].item() == 10.0
     err = capsys.readouterr().err
     assert "skipping checkpoint step-00000020: corrupt checkpoint" in err
     assert "Falling back to the previous one" in err
-    with pytest.raises(DataError, match="corrupt checkpoint"):
-        ckpt.resume(model=model, path=tmp_path / "step-00000020")
+    assert not (tmp_path / "step-00000020").exists()  # the abandoned future is removed
 
 
 def test_incomplete_folder_without_manifest_is_skipped(tmp_path):
@@ -76,7 +77,7 @@ def test_load_model_state_accepts_module_prefix_and_refuses_no_match():
 def test_world_size_change_is_refused_naming_both(tmp_path):
     ckpt, model = _save_steps(tmp_path, [3])
     two = Runtime(ProcessInfo(rank=0, world_size=2, local_world_size=2), None, torch.device("cpu"))
-    with pytest.raises(DataError, match=r"world_size=1, this job has world_size=2"):
+    with pytest.raises(ddpkit.ConfigError, match=r"world_size 1 \(this job: 2\)"):
         ddpkit.CheckpointManager(tmp_path, two).resume(model=model)
 
 

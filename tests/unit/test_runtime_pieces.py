@@ -150,3 +150,32 @@ def test_logging_info_on_rank_zero_warnings_everywhere(capsys, rank, shown):
     assert logging.getLogger().handlers == [] or all(
         not getattr(h, "_ddpkit_handler", False) for h in logging.getLogger().handlers
     )
+
+
+def _order(loader, passes: int) -> list[list[int]]:
+    return [[int(i) for (b,) in loader for i in b] for _ in range(passes)]
+
+
+def test_loader_state_resumes_exactly_including_capped_passes():
+    data = TensorDataset(torch.arange(23))
+    full = ddpkit.build_train_loader(data, _runtime(), batch_size=4, seed=2, max_batches=4)
+    assert len(full) == 4
+    reference = _order(full, 3)
+    assert [len(p) for p in reference] == [16, 16, 16]  # 4 batches of 4 per pass
+    for cut in range(1, 12):  # stop after `cut` batches, save, resume in a fresh loader
+        first = ddpkit.build_train_loader(data, _runtime(), batch_size=4, seed=2, max_batches=4)
+        seen, state = [], None
+        for _ in range(3):
+            for (batch,) in first:
+                seen += [int(i) for i in batch]
+                if len(seen) == 4 * cut:
+                    state = first.state_dict()
+                    break
+            if state is not None:
+                break
+        resumed = ddpkit.build_train_loader(data, _runtime(), batch_size=4, seed=2, max_batches=4)
+        resumed.load_state_dict(state)
+        assert resumed.state_dict()["batches_done"] == state["batches_done"]  # before iterating
+        while resumed.epoch < 3:
+            seen += [int(i) for (b,) in resumed for i in b]
+        assert seen == [i for p in reference for i in p], f"cut after {cut} batches"

@@ -85,7 +85,8 @@ def read_manifest(folder: Path) -> dict:
         return json.loads((folder / MANIFEST).read_text())
     except (OSError, ValueError) as exc:
         raise DataError(
-            f"incomplete checkpoint: path={folder} has no readable manifest ({exc})."
+            f"incomplete checkpoint: path={folder} has no readable manifest ({exc}). Pass a "
+            "complete step-XXXXXXXX folder, or resume 'auto' to pick the newest complete one."
         ) from None
 
 

@@ -17,42 +17,65 @@ Example::
 
 from __future__ import annotations
 
-import random
+import os
+import shutil
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 import torch.distributed as dist
 
-from ddpkit.checkpoint.io import MANIFEST, list_checkpoints, load_checkpoint, write_checkpoint
+from ddpkit.checkpoint.io import (
+    MANIFEST,
+    checkpoint_dir_name,
+    list_checkpoints,
+    load_checkpoint,
+    read_manifest,
+    write_checkpoint,
+)
+from ddpkit.checkpoint.state import load_model_state, rng_state, set_rng_state
 from ddpkit.distributed.collectives import barrier
 from ddpkit.distributed.process_group import Runtime
-from ddpkit.errors import ConfigError, DataError
+from ddpkit.errors import ConfigError, DataError, DistributedError
 from ddpkit.log import get_logger
 from ddpkit.parallel.wrap import unwrap_model
 
 log = get_logger("checkpoint")
 
 
-def rng_state() -> dict[str, Any]:
-    """This process's RNG states: torch CPU, CUDA (all devices), numpy, python."""
-    state = {
-        "torch": torch.get_rng_state(),
-        "numpy": np.random.get_state(),
-        "python": random.getstate(),
-    }
-    if torch.cuda.is_available():
-        state["cuda"] = torch.cuda.get_rng_state_all()
-    return state
+def check_compatible(folder: Path, manifest: dict, world_size: int, extra: dict | None) -> None:
+    """Refuse a checkpoint written by another world size or with other run settings.
+
+    ``extra`` holds settings that must be equal (for ``ddpkit train``: batch size, epochs, lr,
+    ...): resuming with a different batch size would skip the wrong samples, and a different
+    number of epochs would not match the saved LR schedule.
+
+    Raises:
+        ConfigError: names the checkpoint, each differing setting, and both values.
+    """
+    problems = []
+    if manifest.get("world_size") != world_size:
+        problems.append(f"world_size {manifest.get('world_size')} (this job: {world_size})")
+    saved = manifest.get("extra") or {}
+    for key, value in (extra or {}).items():
+        if key in saved and saved[key] != value:
+            problems.append(f"{key} {saved[key]!r} (this job: {value!r})")
+    if problems:
+        raise ConfigError(
+            f"checkpoint {folder} does not match this job: it was written with "
+            f"{'; '.join(problems)}. Resume with the same settings and number of processes, "
+            "or start fresh without --resume."
+        )
 
 
-def set_rng_state(state: dict[str, Any]) -> None:
-    torch.set_rng_state(state["torch"])
-    np.random.set_state(state["numpy"])
-    random.setstate(state["python"])
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
+def newest_manifest(directory: Path) -> tuple[Path, dict] | None:
+    """The newest checkpoint folder that has a manifest, without reading its state."""
+    for folder in list_checkpoints(directory):
+        try:
+            return folder, read_manifest(folder)
+        except DataError:
+            continue
+    return None
 
 
 def _gather(obj: Any, runtime: Runtime) -> list[Any]:
@@ -61,26 +84,6 @@ def _gather(obj: Any, runtime: Runtime) -> list[Any]:
     out: list[Any] = [None] * runtime.world_size
     dist.all_gather_object(out, obj, group=runtime.process_group)
     return out
-
-
-def load_model_state(
-    model: torch.nn.Module, state: dict[str, torch.Tensor], strict: bool = True
-) -> None:
-    """Load a state dict saved with or without DDP's ``module.`` prefix.
-
-    Raises:
-        DataError: a non-strict load that matches no key at all (it would silently load nothing).
-    """
-    if state and all(key.startswith("module.") for key in state):
-        state = {key[len("module.") :]: value for key, value in state.items()}
-    target = unwrap_model(model)
-    result = target.load_state_dict(state, strict=strict)
-    if not strict and len(result.missing_keys) == len(target.state_dict()):
-        raise DataError(
-            f"checkpoint matches no parameter of {type(target).__name__}: "
-            f"{len(result.unexpected_keys)} unexpected keys such as "
-            f"{result.unexpected_keys[:3]}. Load it into the model it was saved from."
-        )
 
 
 class CheckpointManager:
@@ -134,7 +137,7 @@ class CheckpointManager:
         the checkpoint is complete (a barrier), so none races ahead of a half-written one.
         """
         rng_per_rank = _gather(rng_state(), self.runtime)
-        folder = self.directory / f"step-{step:08d}"
+        folder = self.directory / checkpoint_dir_name(step)
         if self.runtime.is_rank_zero:
             state = {
                 "model": unwrap_model(model).state_dict(),
@@ -147,9 +150,8 @@ class CheckpointManager:
                 "world_size": self.runtime.world_size,
                 "extra": extra or {},
             }
-            folder = write_checkpoint(
-                self.directory, step, state, {"world_size": self.runtime.world_size}
-            )
+            meta = {"world_size": self.runtime.world_size, "extra": extra or {}}
+            folder = write_checkpoint(self.directory, step, state, meta)
             self._prune()
         barrier(self.runtime)
         return folder
@@ -171,11 +173,20 @@ class CheckpointManager:
         return None
 
     def _prune(self) -> None:
-        import shutil
+        """Keep the newest ``keep_last`` complete checkpoints; drop older debris.
 
-        complete = [p for p in list_checkpoints(self.directory) if (p / MANIFEST).is_file()]
-        for old in complete[self.keep_last :]:
+        Debris: ``.tmp-*`` folders of writers that died mid-save, and folders without a
+        manifest older than the newest complete checkpoint.
+        """
+        folders = list_checkpoints(self.directory)
+        complete = [p for p in folders if (p / MANIFEST).is_file()]
+        newest = int(complete[0].name[5:]) if complete else -1
+        stale = [p for p in folders if p not in complete and int(p.name[5:]) < newest]
+        for old in complete[self.keep_last :] + stale:
             shutil.rmtree(old, ignore_errors=True)
+        for tmp in self.directory.glob(".tmp-step-*"):
+            if not tmp.name.endswith(f"-{os.getpid()}"):
+                shutil.rmtree(tmp, ignore_errors=True)
 
     def load_latest(self) -> tuple[Path, dict[str, Any]] | None:
         """The newest checkpoint that verifies, as ``(folder, state)``; ``None`` if there is none.
@@ -201,29 +212,41 @@ class CheckpointManager:
         scaler: Any = None,
         loader: Any = None,
         path: str | Path | None = None,
+        extra: dict | None = None,
     ) -> int:
         """Restore the newest complete checkpoint (or ``path``); returns its step, 0 if none.
 
         Storages are mapped to CPU, then each tensor goes to the device of the object it is
-        loaded into (never every rank onto cuda:0). Not a collective, but every rank must call
-        it, since each restores its own RNG state.
+        loaded into (never every rank onto cuda:0). Checkpoints newer than the one resumed (an
+        abandoned future, e.g. when ``path`` names an older one) are deleted, so later saves and
+        ``resume`` calls never mix two histories. Only resume checkpoints you trust: the state
+        is unpickled.
+
+        Collective: call on every rank; the ranks check they resumed the same checkpoint.
+
+        Args:
+            extra: settings that must equal those saved (see :func:`check_compatible`).
 
         Raises:
-            DataError: ``path`` is corrupt or incomplete; or the checkpoint was written by another
-                world size (its RNG states and data positions are per rank).
+            ConfigError: another world size or other settings (see :func:`check_compatible`).
+            DataError: ``path`` is corrupt or incomplete.
+            DistributedError: the ranks found different newest checkpoints.
         """
-        found = (
-            (Path(path), load_checkpoint(Path(path))) if path is not None else self.load_latest()
-        )
+        if path is not None:
+            found: tuple[Path, dict[str, Any]] | None = (Path(path), load_checkpoint(Path(path)))
+        else:
+            found = self.load_latest()
+        names = _gather(found[0].name if found else None, self.runtime)
+        if len(set(names)) > 1:
+            listing = ", ".join(f"rank {r}: {n}" for r, n in enumerate(names))
+            raise DistributedError(
+                f"ranks found different checkpoints to resume ({listing}). Put {self.directory} "
+                "on a filesystem every rank sees the same way."
+            )
         if found is None:
             return 0
         folder, state = found
-        if state["world_size"] != self.runtime.world_size:
-            raise DataError(
-                f"checkpoint {folder} was written by world_size={state['world_size']}, this job "
-                f"has world_size={self.runtime.world_size}. Resume with the same number of "
-                f"processes (ddpkit run -n {state['world_size']} ...)."
-            )
+        check_compatible(folder, read_manifest(folder), self.runtime.world_size, extra)
         load_model_state(model, state["model"])
         for obj, key in (
             (optimizer, "optimizer"),
@@ -234,5 +257,11 @@ class CheckpointManager:
             if obj is not None and state[key] is not None:
                 obj.load_state_dict(state[key])
         set_rng_state(state["rng_per_rank"][self.runtime.rank])
+        barrier(self.runtime)  # every rank has read it before newer ones are removed
+        if self.runtime.is_rank_zero:
+            for newer in list_checkpoints(self.directory):
+                if int(newer.name[5:]) > int(state["step"]):
+                    shutil.rmtree(newer, ignore_errors=True)
+        barrier(self.runtime)
         log.info("resumed from %s (step %d)", folder, state["step"])
         return int(state["step"])

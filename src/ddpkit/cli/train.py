@@ -17,10 +17,12 @@ from pathlib import Path
 
 import torch
 
+from ddpkit.checkpoint.io import read_manifest
+from ddpkit.checkpoint.manager import check_compatible, newest_manifest
 from ddpkit.distributed.env import detect_process_info
 from ddpkit.distributed.process_group import BACKENDS
 from ddpkit.errors import ConfigError
-from ddpkit.examples.mnist import OPTIMIZERS, TrainConfig, train_mnist
+from ddpkit.examples.mnist import OPTIMIZERS, TrainConfig, resume_settings, train_mnist
 from ddpkit.examples.mnist_data import DATASETS, DataSource, resolve_data
 from ddpkit.launch.launcher import LaunchSpec, launch
 
@@ -219,19 +221,34 @@ def _train_here(args: argparse.Namespace, config: TrainConfig, source: DataSourc
     return 0
 
 
+def _check_resume(config: TrainConfig, source: DataSource, nproc: int) -> None:
+    """Refuse, before any worker starts, a resume that the workers would refuse."""
+    if not config.resume:
+        return
+    directory = Path(config.output_dir) / "checkpoints"
+    found = newest_manifest(directory) if config.resume == "auto" else None
+    if config.resume != "auto":
+        found = (Path(config.resume), read_manifest(Path(config.resume)))
+    if found is not None:
+        settings = {**resume_settings(config), "dataset": source.dataset}
+        check_compatible(found[0], found[1], nproc, settings)
+
+
 def run(args: argparse.Namespace) -> int:
     config = config_from_args(args)
     restarted = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") != "0"
-    if restarted and config.checkpoint_every and not config.resume:
-        config = dataclasses.replace(config, resume="auto")  # a restart continues, never redoes
+    if restarted and config.checkpoint_every:  # a restart continues from the newest, never redoes
+        config = dataclasses.replace(config, resume="auto")
     if args._worker:  # a rank started by the launcher below: the parent already resolved data
         return _train_here(args, config, resolve_data(args.dataset, args.data_dir, download=False))
     source = resolve_data(args.dataset, args.data_dir, download=not args.no_download)
+    info = detect_process_info()
+    nproc = info.world_size if info.is_distributed else args.nproc or default_nproc()
+    _check_resume(config, source, nproc)
     Path(config.output_dir).mkdir(parents=True, exist_ok=True)
-    if detect_process_info().is_distributed:  # torchrun -m ddpkit train, or srun -n 2
+    if info.is_distributed:  # torchrun -m ddpkit train, or srun -n 2
         return _train_here(args, config, source)
-    nproc = args.nproc or default_nproc()
-    if nproc == 1:
+    if nproc == 1 and not args.max_restarts:  # restarts are torchrun's: those go through it
         return _train_here(args, config, source)
     if source.note:
         print(source.note, flush=True)

@@ -8,6 +8,7 @@ so global metrics count every sample once whatever the world size.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterator, Sized
 from typing import Any
 
@@ -76,20 +77,34 @@ class ShardedLoader:
         loader: the wrapped ``torch.utils.data.DataLoader``.
         sampler: its :class:`ResumableDistributedSampler`.
         epoch: the epoch the next pass will use.
+        max_batches: a pass ends after this many batches (``None``: the whole shard).
     """
 
     def __init__(
-        self, loader: DataLoader, sampler: ResumableDistributedSampler, start_epoch: int = 0
+        self,
+        loader: DataLoader,
+        sampler: ResumableDistributedSampler,
+        start_epoch: int = 0,
+        max_batches: int | None = None,
     ):
         self.loader = loader
         self.sampler = sampler
         self.epoch = start_epoch
+        self.max_batches = max_batches
         self._skip_batches = 0
-        self._in_progress: list[int] | None = None  # [epoch, batches yielded] of the open pass
+        self._in_progress: list[int] | None = None  # [epoch, batches consumed] of the open pass
+        self._pass_generator_state: torch.Tensor | None = None
 
     def set_epoch(self, epoch: int) -> None:
         """Make the next pass use ``epoch``."""
         self.epoch = epoch
+
+    def __len__(self) -> int:
+        """Batches in one full pass (the whole shard, capped by ``max_batches``)."""
+        batch_size = self.loader.batch_size or 1
+        samples = self.sampler.num_samples
+        full = samples // batch_size if self.loader.drop_last else math.ceil(samples / batch_size)
+        return min(full, self.max_batches) if self.max_batches else full
 
     @property
     def batches_done(self) -> int:
@@ -100,15 +115,16 @@ class ShardedLoader:
         """``{"epoch", "batches_done", "generator"}``: where the next batch would come from.
 
         A pass whose last batch was handed out counts as finished (the next epoch, 0 batches).
+        Mid-pass, the generator state is the one from before the pass began, so the resumed pass
+        draws the same worker seed again.
         """
-        epoch, done = self.epoch, 0
-        if self._in_progress is not None and self._in_progress[1] < len(self.loader):
-            epoch, done = self._in_progress
-        return {
-            "epoch": epoch,
-            "batches_done": done,
-            "generator": self.loader.generator.get_state(),
-        }
+        generator = self.loader.generator.get_state()
+        if self._in_progress is None:  # between passes (or loaded and not yet iterated)
+            return {"epoch": self.epoch, "batches_done": self._skip_batches, "generator": generator}
+        epoch, done = self._in_progress
+        if done >= len(self):
+            return {"epoch": epoch + 1, "batches_done": 0, "generator": generator}
+        return {"epoch": epoch, "batches_done": done, "generator": self._pass_generator_state}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Make the next pass resume epoch ``state["epoch"]`` after ``batches_done`` batches."""
@@ -117,20 +133,22 @@ class ShardedLoader:
         self.loader.generator.set_state(state["generator"])
 
     def __iter__(self) -> Iterator[Any]:
-        epoch, skip = self.epoch, self._skip_batches
+        epoch, skip, per_pass = self.epoch, self._skip_batches, len(self)
         self.sampler.set_epoch(epoch)
         self.sampler.start_index = skip * (self.loader.batch_size or 1)
         self.epoch, self._skip_batches = epoch + 1, 0
+        self._pass_generator_state = self.loader.generator.get_state()
         self._in_progress = [epoch, skip]
         try:
+            if skip >= per_pass:
+                return
             for batch in self.loader:
                 self._in_progress[1] += 1
                 yield batch
-        finally:  # exhausted, or the caller broke out: the pass is over either way
+                if self._in_progress[1] >= per_pass:
+                    return
+        finally:  # exhausted, capped, or the caller broke out: the pass is over either way
             self._in_progress = None
-
-    def __len__(self) -> int:
-        return len(self.loader)
 
 
 def _check_batch_size(batch_size: object) -> int:
@@ -149,6 +167,7 @@ def build_train_loader(
     shuffle: bool = True,
     seed: int = 0,
     drop_last: bool = False,
+    max_batches: int | None = None,
     **loader_kwargs: Any,
 ) -> ShardedLoader:
     """A training loader over this rank's shard of ``dataset``.
@@ -164,6 +183,7 @@ def build_train_loader(
         shuffle: reshuffle every epoch.
         seed: the shuffle seed, identical on every rank.
         drop_last: drop the tail so the shards are equal without padding.
+        max_batches: end every pass after this many batches (``None``: the whole shard).
         **loader_kwargs: passed to ``DataLoader`` (``num_workers``, ``pin_memory``, ...).
 
     Raises:
@@ -183,8 +203,10 @@ def build_train_loader(
     # The loader's own generator: creating an iterator draws a seed from it (for worker
     # processes), which would otherwise consume the global RNG once per epoch.
     loader_kwargs.setdefault("generator", torch.Generator().manual_seed(seed))
-    loader = DataLoader(dataset, batch_size=batch_size, sampler=sampler, **loader_kwargs)
-    return ShardedLoader(loader, sampler)
+    loader = DataLoader(
+        dataset, batch_size=batch_size, sampler=sampler, drop_last=drop_last, **loader_kwargs
+    )
+    return ShardedLoader(loader, sampler, max_batches=max_batches)
 
 
 def build_eval_loader(

@@ -26,6 +26,7 @@ from ddpkit.checkpoint.manager import CheckpointManager
 from ddpkit.distributed.collectives import all_reduce_sum, barrier
 from ddpkit.distributed.process_group import Runtime
 from ddpkit.distributed.sampler import ShardedLoader, build_eval_loader, build_train_loader
+from ddpkit.errors import ConfigError
 from ddpkit.examples.mnist_data import DataSource
 from ddpkit.guards.nonfinite import NonFiniteGuard, check_replicas
 from ddpkit.log import get_logger
@@ -99,6 +100,12 @@ def build_optimizer(name: str, params, lr: float) -> torch.optim.Optimizer:
     return (torch.optim.AdamW if name == "adamw" else torch.optim.Adam)(params, lr=lr)
 
 
+def resume_settings(config: TrainConfig) -> dict:
+    """The settings a resumed run must share with its checkpoint (saved in the manifest)."""
+    keys = ("epochs", "batch_size", "lr", "optimizer", "seed", "max_steps")
+    return {key: getattr(config, key) for key in keys}
+
+
 def _finite_or_none(value: float) -> float | None:
     return value if math.isfinite(value) else None  # JSON has no NaN/Inf
 
@@ -115,11 +122,10 @@ def train_one_epoch(
     optimizer: torch.optim.Optimizer,
     schedule: torch.optim.lr_scheduler.LRScheduler,
     runtime: Runtime,
-    max_steps: int,
     on_step: Callable[[], None] | None = None,
     may_step: Callable[[torch.Tensor], bool] | None = None,
 ) -> tuple[float, float, float]:
-    """One pass over this rank's shard, up to batch ``max_steps`` of the epoch.
+    """One pass over this rank's shard (capped by the loader's ``max_batches``).
 
     ``may_step(loss)`` runs after backward and decides whether the optimizer steps (the
     non-finite guard); ``on_step`` runs after every step, taken or skipped. After a resume
@@ -145,8 +151,6 @@ def train_one_epoch(
         num_samples += len(targets)
         if on_step is not None:
             on_step()
-        if loader.batches_done >= max_steps:
-            break
     seconds = time.perf_counter() - start
     loss_sum, num_samples = all_reduce_sum([loss_sum, num_samples], runtime).tolist()
     return loss_sum / max(num_samples, 1.0), num_samples, seconds
@@ -156,57 +160,97 @@ def _fault_injection(runtime: Runtime) -> int:
     """Step at which this rank kills itself, from ``DDPKIT_FAULT_INJECT=RANK:STEP`` (0 = never).
 
     A testing hook for restarts: it fires only in the first attempt (restart count 0).
+
+    Raises:
+        ConfigError: the variable is not ``RANK:STEP`` with a rank of this job.
     """
     spec = os.environ.get(FAULT_ENV, "")
-    if not spec or os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") != "0":
+    if not spec:
         return 0
-    rank, step = (int(part) for part in spec.split(":"))
-    return step if rank == runtime.rank else 0
+    try:
+        rank, step = (int(part) for part in spec.split(":"))
+    except ValueError:
+        rank = step = -1
+    if not (0 <= rank < runtime.world_size and step > 0):
+        raise ConfigError(
+            f"invalid {FAULT_ENV}={spec!r}: expected RANK:STEP with 0 <= RANK < "
+            f"{runtime.world_size} and STEP >= 1, e.g. 1:10. Unset it to train normally."
+        )
+    first_attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
+    return step if first_attempt and rank == runtime.rank else 0
+
+
+def _reset_outputs(output_dir: Path, runtime: Runtime, completed_epochs: int | None) -> None:
+    """Rank 0 clears what an earlier run left; a resumed run keeps its checkpoints and the
+    metrics of the epochs it completed. Collective (a barrier)."""
+    if runtime.is_rank_zero:
+        for name in ("summary.json", "model.pt"):
+            (output_dir / name).unlink(missing_ok=True)
+        metrics = output_dir / "metrics.jsonl"
+        if completed_epochs is None:
+            shutil.rmtree(output_dir / "checkpoints", ignore_errors=True)
+            metrics.unlink(missing_ok=True)
+        elif metrics.exists():
+            kept = [
+                r
+                for r in metrics.read_text().splitlines()
+                if r.strip() and json.loads(r)["epoch"] <= completed_epochs
+            ]
+            metrics.write_text("".join(f"{r}\n" for r in kept))
+    barrier(runtime)
+
+
+def _append_metrics(output_dir: Path, record: dict) -> None:
+    with (output_dir / "metrics.jsonl").open("a") as handle:
+        handle.write(json.dumps({k: _finite_or_none(v) for k, v in record.items()}) + "\n")
 
 
 def train_mnist(config: TrainConfig, runtime: Runtime, source: DataSource) -> dict:
     """Train and evaluate the MNIST CNN with the runtime's strategy; rank 0 writes the outputs.
 
     A fresh run replaces the outputs (and checkpoints) of an earlier run in the same
-    ``output_dir``: rank 0 removes them first, so a crash never leaves new metrics beside an old
-    summary, and a restart never resumes another run's checkpoint. A resumed run keeps them.
+    ``output_dir``, so a crash never leaves new metrics beside an old summary and a restart
+    never resumes another run's checkpoint. A resumed run is checked against the checkpoint's
+    settings *before* anything is removed, and keeps the metrics of its completed epochs.
 
     Collective: call on every rank with the same ``config`` and ``source``.
 
     Returns:
         The summary dict (also written to ``output_dir/summary.json`` by rank 0): test_accuracy
         (0..1), test_loss, test_samples, train_set_size, world_size, backend, epochs,
-        samples_per_s (global training samples per second of training time), wall_s, dataset.
-        Non-finite values (a diverged run) are written as ``null``.
+        final_step, samples_per_s (global training samples per second of this process's
+        training time; after a resume, of the resumed part), wall_s, dataset. Non-finite values
+        (a diverged run) are written as ``null``.
     """
     log = get_logger("train")
     start = time.perf_counter()
     output_dir = Path(config.output_dir)
-    if runtime.is_rank_zero and not config.resume:
-        shutil.rmtree(output_dir / "checkpoints", ignore_errors=True)
-        (output_dir / "metrics.jsonl").unlink(missing_ok=True)
-    if runtime.is_rank_zero:
-        for name in ("summary.json", "model.pt"):
-            (output_dir / name).unlink(missing_ok=True)
-    barrier(runtime)  # nobody looks for checkpoints before the stale ones are gone
+    kill_at = _fault_injection(runtime)
     torch.manual_seed(config.seed)
     train_set, test_set = source.load("train"), source.load("test")
     model = wrap_model(MnistCNN(), runtime)  # DDP when world_size > 1; replicas start equal
     optimizer = build_optimizer(config.optimizer, model.parameters(), config.lr)
-    train_loader = build_train_loader(train_set, runtime, config.batch_size, seed=config.seed)
+    train_loader = build_train_loader(
+        train_set,
+        runtime,
+        config.batch_size,
+        seed=config.seed,
+        max_batches=config.max_steps or None,
+    )
     test_loader = build_eval_loader(test_set, runtime, batch_size=1000)
-    steps = min(config.max_steps or len(train_loader), len(train_loader))
     schedule = torch.optim.lr_scheduler.OneCycleLR(
-        optimizer, max_lr=config.lr, total_steps=steps * config.epochs
+        optimizer, max_lr=config.lr, total_steps=len(train_loader) * config.epochs
     )
     ckpt = CheckpointManager(
         output_dir / "checkpoints", runtime, every_steps=config.checkpoint_every
     )
     state = {"model": model, "optimizer": optimizer, "scheduler": schedule, "loader": train_loader}
+    settings = {**resume_settings(config), "dataset": source.dataset}
     step = 0
     if config.resume:
-        step = ckpt.resume(**state, path=None if config.resume == "auto" else config.resume)
-    kill_at = _fault_injection(runtime)
+        path = None if config.resume == "auto" else config.resume
+        step = ckpt.resume(**state, path=path, extra=settings)
+    _reset_outputs(output_dir, runtime, train_loader.epoch if step else None)
     guard = None if config.on_nonfinite == "off" else NonFiniteGuard(runtime, config.on_nonfinite)
 
     def may_step(loss: torch.Tensor) -> bool:
@@ -219,7 +263,7 @@ def train_mnist(config: TrainConfig, runtime: Runtime, source: DataSource) -> di
             os.kill(os.getpid(), signal.SIGKILL)
         if config.check_replicas_every and step % config.check_replicas_every == 0:
             check_replicas(model, runtime, step)
-        ckpt.maybe_save(step, **state)
+        ckpt.maybe_save(step, **state, extra=settings)
 
     log.info(
         "training %s on %d process(es), backend=%s, device=%s, %d train / %d test samples, "
@@ -227,11 +271,11 @@ def train_mnist(config: TrainConfig, runtime: Runtime, source: DataSource) -> di
         runtime.device, len(train_set), len(test_set), config.batch_size * runtime.world_size,
     )  # fmt: skip
     train_time_s = samples_total = 0.0
-    test = {"loss": math.nan, "accuracy": math.nan, "num_samples": 0}
+    test = None
     while train_loader.epoch < config.epochs:
         epoch = train_loader.epoch + 1
         train_loss, num_samples, epoch_s = train_one_epoch(
-            model, train_loader, optimizer, schedule, runtime, steps, on_step, may_step
+            model, train_loader, optimizer, schedule, runtime, on_step, may_step
         )
         train_time_s += epoch_s
         samples_total += num_samples
@@ -251,9 +295,9 @@ def train_mnist(config: TrainConfig, runtime: Runtime, source: DataSource) -> di
             record["samples_per_s"],
         )  # fmt: skip
         if runtime.is_rank_zero:
-            with (output_dir / "metrics.jsonl").open("a") as handle:
-                record = {k: _finite_or_none(v) for k, v in record.items()}
-                handle.write(json.dumps(record, allow_nan=False) + "\n")
+            _append_metrics(output_dir, record)
+    if test is None:  # resumed from a checkpoint taken at the very end: evaluate it
+        test = evaluate(model, test_loader, runtime)
     summary = {
         "test_accuracy": test["accuracy"],
         "test_loss": test["loss"],
@@ -262,8 +306,8 @@ def train_mnist(config: TrainConfig, runtime: Runtime, source: DataSource) -> di
         "world_size": runtime.world_size,
         "backend": runtime.backend or "none",
         "epochs": config.epochs,
-        "samples_per_s": samples_total / train_time_s if train_time_s else math.nan,
         "final_step": step,
+        "samples_per_s": samples_total / train_time_s if train_time_s else math.nan,
         "wall_s": time.perf_counter() - start,
         "dataset": source.dataset,
     }
