@@ -17,7 +17,7 @@ Launch with ``ddpkit run -n 2 train.py`` or ``torchrun --nproc-per-node 2 train.
 
 from ddpkit.checkpoint.manager import CheckpointManager
 from ddpkit.checkpoint.state import load_model_state
-from ddpkit.distributed.collectives import all_reduce_sum, barrier
+from ddpkit.distributed.collectives import all_reduce, all_reduce_sum, barrier
 from ddpkit.distributed.env import ProcessInfo, detect_process_info
 from ddpkit.distributed.process_group import Runtime, init_runtime, resolve_backend
 from ddpkit.distributed.sampler import (
@@ -43,6 +43,7 @@ __all__ = [
     "Runtime",
     "ShardedLoader",
     "UnpaddedDistributedSampler",
+    "all_reduce",
     "all_reduce_sum",
     "barrier",
     "build_eval_loader",

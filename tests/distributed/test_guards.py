@@ -76,3 +76,31 @@ def test_step_counter_skew_is_reported():
     assert "step counters differ across ranks: rank 0 at step 4, rank 1 at step 5" in str(
         info.value
     )
+
+
+def _mismatched_all_reduce(runtime, shapes):
+    runtime.debug_collectives = True
+    ddpkit.all_reduce(torch.ones(shapes[runtime.rank]), runtime)
+
+
+@pytest.mark.parametrize(
+    "shapes,expected",
+    [
+        ([(4,), (8,)], "rank 0 float32 (4,), rank 1 float32 (8,)"),
+        ([(2, 4), (4, 2)], "rank 0 float32 (2, 4), rank 1 float32 (4, 2)"),  # same numel
+    ],
+)
+def test_collective_shape_check_names_each_ranks_shape(shapes, expected):
+    with pytest.raises(DistributedTestError) as info:
+        run_distributed(_mismatched_all_reduce, 2, args=(shapes,))
+    message = str(info.value)
+    assert "all_reduce: tensors differ across ranks: " + expected in message
+
+
+def _matched_all_reduce(runtime):
+    runtime.debug_collectives = True
+    return ddpkit.all_reduce(torch.full((2, 3), float(runtime.rank + 1)), runtime).tolist()
+
+
+def test_collective_shape_check_passes_matching_tensors():
+    assert run_distributed(_matched_all_reduce, 3) == [[[6.0] * 3] * 2] * 3

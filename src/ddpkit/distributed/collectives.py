@@ -1,13 +1,98 @@
-"""Thin wrappers over torch.distributed collectives that also work at world size 1."""
+"""Thin wrappers over torch.distributed collectives that also work at world size 1.
+
+Debug switch: with ``DDPKIT_DEBUG_COLLECTIVES=1`` in the environment (or
+``runtime.debug_collectives = True``), every ddpkit collective first compares the shape and dtype
+of its tensor across ranks and raises on every rank, naming each rank's shape, instead of
+hanging, aborting or returning garbage (gloo happily all-reduces a (2, 4) tensor with a (4, 2)
+one). It costs one extra small all-gather per collective, so it is off by default.
+"""
 
 from __future__ import annotations
 
+import os
 from collections.abc import Sequence
 
 import torch
 import torch.distributed as dist
 
 from ddpkit.distributed.process_group import Runtime
+from ddpkit.errors import DistributedError
+
+DEBUG_ENV = "DDPKIT_DEBUG_COLLECTIVES"
+_MAX_DIMS = 8
+_DTYPES = [
+    torch.float32,
+    torch.float64,
+    torch.float16,
+    torch.bfloat16,
+    torch.int64,
+    torch.int32,
+    torch.int16,
+    torch.int8,
+    torch.uint8,
+    torch.bool,
+    torch.complex64,
+    torch.complex128,
+]
+
+
+def _describe(row: list[int]) -> str:
+    code, dims = row[1], row[2 : 2 + row[0]]
+    dtype = str(_DTYPES[code]).replace("torch.", "") if 0 <= code < len(_DTYPES) else "other"
+    return f"{dtype} {tuple(dims)}"
+
+
+def verify_same_shape(tensor: torch.Tensor, runtime: Runtime, op: str) -> None:
+    """Raise on every rank unless all ranks pass a tensor of the same shape and dtype.
+
+    Collective: call on every rank before the collective it guards. A no-op at world size 1.
+
+    Raises:
+        DistributedError: ``all_reduce: tensors differ across ranks: rank 0 float32 (4,), rank 1
+            float32 (8,)``; also for tensors of more than 8 dimensions.
+    """
+    if runtime.process_group is None:
+        return
+    if tensor.dim() > _MAX_DIMS:
+        raise DistributedError(f"{op}: the shape check supports up to {_MAX_DIMS} dims.")
+    code = _DTYPES.index(tensor.dtype) if tensor.dtype in _DTYPES else len(_DTYPES)
+    row = [tensor.dim(), code, *tensor.shape] + [-1] * (_MAX_DIMS - tensor.dim())
+    local = torch.tensor(row, dtype=torch.int64, device=runtime.device)
+    rows = [torch.empty_like(local) for _ in range(runtime.world_size)]
+    dist.all_gather(rows, local, group=runtime.process_group)
+    described = [_describe(r.tolist()) for r in rows]
+    if len(set(described)) > 1:
+        listing = ", ".join(f"rank {r} {d}" for r, d in enumerate(described))
+        raise DistributedError(
+            f"{op}: tensors differ across ranks: {listing}. Every rank must pass a tensor of the "
+            "same shape and dtype to a collective."
+        )
+
+
+def _debug_enabled(runtime: Runtime) -> bool:
+    return runtime.debug_collectives or os.environ.get(DEBUG_ENV, "") not in ("", "0")
+
+
+def all_reduce(
+    tensor: torch.Tensor, runtime: Runtime, op: dist.ReduceOp.RedOpType = dist.ReduceOp.SUM
+) -> torch.Tensor:
+    """Reduce ``tensor`` over all ranks with ``op``; returns a new tensor (input untouched).
+
+    Collective: call on every rank with tensors of equal shape and dtype (checked under the
+    debug switch). At world size 1 it returns a copy.
+
+    Returns:
+        Same shape and dtype as ``tensor``, on ``tensor``'s device: the reduction, identical on
+        every rank.
+    """
+    result = tensor.detach().clone()
+    if runtime.process_group is None:
+        return result
+    if _debug_enabled(runtime):
+        verify_same_shape(result, runtime, "all_reduce")
+    work = result.to(runtime.device)  # nccl reduces device tensors; gloo CPU ones
+    dist.all_reduce(work, op=op, group=runtime.process_group)
+    return work.to(tensor.device)
 
 
 def all_reduce_sum(values: Sequence[float] | torch.Tensor, runtime: Runtime) -> torch.Tensor:
@@ -26,13 +111,8 @@ def all_reduce_sum(values: Sequence[float] | torch.Tensor, runtime: Runtime) -> 
     Example:
         >>> correct, count = all_reduce_sum([3, 5], runtime).tolist()   # doctest: +SKIP
     """
-    tensor = torch.as_tensor(values, dtype=torch.float64).detach().clone().reshape(-1)
-    if runtime.process_group is None:
-        return tensor
-    # nccl reduces only device tensors; gloo reduces CPU tensors.
-    tensor = tensor.to(runtime.device)
-    dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=runtime.process_group)
-    return tensor.cpu()
+    tensor = torch.as_tensor(values, dtype=torch.float64).reshape(-1)
+    return all_reduce(tensor.cpu(), runtime)
 
 
 def barrier(runtime: Runtime) -> None:

@@ -73,6 +73,8 @@ class Runtime:
         device: the device this rank computes on (``cuda:<local_rank>`` with nccl, else CPU).
         process_group: the training group (train timeout); ``None`` at world size 1.
         train_timeout_s: limit for one collective, in seconds.
+        debug_collectives: compare shapes and dtypes across ranks before each ddpkit collective
+            (see :mod:`ddpkit.distributed.collectives`; also ``DDPKIT_DEBUG_COLLECTIVES=1``).
     """
 
     info: ProcessInfo
@@ -80,6 +82,7 @@ class Runtime:
     device: torch.device
     process_group: Any = None
     train_timeout_s: float = 1800.0
+    debug_collectives: bool = False
     _closed: bool = field(default=False, repr=False)
 
     @property
