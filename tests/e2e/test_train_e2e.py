@@ -157,6 +157,8 @@ def test_nan_loss_stops_every_rank_naming_the_step(tmp_path):
             "1",
             "--lr",
             "1e9",
+            "--on-nonfinite",
+            "raise",
             "--output-dir",
             str(tmp_path / "o"),
         ],

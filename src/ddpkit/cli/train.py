@@ -147,9 +147,10 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument(
         "--on-nonfinite",
         choices=("raise", "skip", "off"),
-        default="raise",
-        help="NaN/Inf loss or gradient on any rank: every rank raises naming the rank and step "
-        "(default), every rank skips that step, or no check (one tiny all-reduce per step)",
+        default="off",
+        help="NaN/Inf loss or gradient on any rank: every rank raises naming the rank and step, "
+        "every rank skips that step, or no check (default; the check adds one small all-reduce, "
+        "a synchronisation point, per step: about 7%% of the MNIST step time on 2 CPU cores)",
     )
     parser.add_argument(
         "--check-replicas-every",

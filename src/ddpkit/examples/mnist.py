@@ -76,7 +76,8 @@ class TrainConfig:
         resume: ``""`` (start fresh), ``"auto"`` (the newest complete checkpoint, if any) or the
             path of a checkpoint folder.
         on_nonfinite: ``raise`` (every rank stops, naming the rank and step), ``skip`` (every
-            rank skips that step) or ``off`` (no check) for a NaN/Inf loss or gradient.
+            rank skips that step) or ``off`` (no check, the default) for a NaN/Inf loss or
+            gradient.
         check_replicas_every: compare parameter checksums across ranks every this many steps
             (0 = never); raises naming the rank and parameters that differ.
     """
@@ -90,7 +91,7 @@ class TrainConfig:
     max_steps: int = 0
     checkpoint_every: int = 0
     resume: str = ""
-    on_nonfinite: str = "raise"
+    on_nonfinite: str = "off"
     check_replicas_every: int = 0
 
 
