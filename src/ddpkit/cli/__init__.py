@@ -18,6 +18,7 @@ class OneLineParser(argparse.ArgumentParser):
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from ddpkit.cli import doctor as doctor_cmd
     from ddpkit.cli import run as run_cmd
     from ddpkit.cli import train as train_cmd
 
@@ -26,7 +27,7 @@ def build_parser() -> argparse.ArgumentParser:
         description="PyTorch distributed data-parallel training, correct by default.",
     )
     subparsers = parser.add_subparsers(dest="command", required=True, parser_class=OneLineParser)
-    for module in (train_cmd, run_cmd):
+    for module in (train_cmd, run_cmd, doctor_cmd):
         module.add_parser(subparsers)
     return parser
 

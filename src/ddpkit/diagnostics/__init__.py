@@ -1,0 +1,1 @@
+"""ddpkit.diagnostics: environment report and live checks."""
