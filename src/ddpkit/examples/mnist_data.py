@@ -317,7 +317,8 @@ def resolve_data(
         except DataError as exc:
             if dataset == "mnist":
                 raise
-            reason = str(exc).split(": ", 2)[-1][:160]
+            first_error = str(exc).split("; ")[0].split(": ", 2)[-1]  # the first mirror's error
+            reason = f"download failed: {first_error[:120]}"
     else:
         reason = "downloads disabled"
     if dataset == "mnist":
