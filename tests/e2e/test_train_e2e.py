@@ -14,6 +14,17 @@ import torch
 
 from tests.helpers import run_cli
 
+DIGITS_2_RANKS = ["-m", "ddpkit", "train", "--dataset", "digits", "--nproc", "2"]
+
+
+def _train_digits(*flags: str, env: dict | None = None, timeout_s: float = 180):
+    pytest.importorskip("sklearn")
+    return run_cli([*DIGITS_2_RANKS, *flags], env=env, timeout_s=timeout_s)
+
+
+def _summary_lines(result) -> list[str]:
+    return [line for line in result.stderr.splitlines() if line.startswith("ddpkit run:")]
+
 
 def test_train_mnist_two_processes(mnist_dir, tmp_path):
     out = tmp_path / "run"
@@ -84,87 +95,50 @@ def test_train_offline_without_files_uses_digits(tmp_path):
 
 
 def test_killed_rank_restarts_and_resumes_to_the_same_parameters(tmp_path):
-    pytest.importorskip("sklearn")
-    common = [
-        "-m",
-        "ddpkit",
-        "train",
-        "--dataset",
-        "digits",
-        "--nproc",
-        "2",
-        "--epochs",
-        "2",
-        "--checkpoint-every",
-        "4",
-    ]  # 12 steps per epoch, 24 in all
-    plain = run_cli([*common, "--output-dir", str(tmp_path / "plain")], timeout_s=180)
+    common = ["--epochs", "2", "--checkpoint-every", "4"]  # 12 steps per epoch, 24 in all
+    plain = _train_digits(*common, "--output-dir", str(tmp_path / "plain"))
     assert plain.returncode == 0, plain.output
     # rank 1 is SIGKILLed at step 10 in the first attempt; the restart resumes from step 8
-    faulty = run_cli(
-        [*common, "--max-restarts", "1", "--output-dir", str(tmp_path / "faulty")],
+    faulty = _train_digits(
+        *common,
+        "--max-restarts",
+        "1",
+        "--output-dir",
+        str(tmp_path / "faulty"),
         env={"DDPKIT_FAULT_INJECT": "1:10"},
         timeout_s=240,
     )
     assert faulty.returncode == 0, faulty.output
     assert "resumed from" in faulty.stdout and "step-00000008 (step 8)" in faulty.stdout
-    summaries = [
-        json.loads((tmp_path / d / "summary.json").read_text()) for d in ("plain", "faulty")
-    ]
+    runs = ("plain", "faulty")
+    summaries = [json.loads((tmp_path / d / "summary.json").read_text()) for d in runs]
     assert summaries[0]["final_step"] == summaries[1]["final_step"] == 24
-    models = [torch.load(tmp_path / d / "model.pt", weights_only=True) for d in ("plain", "faulty")]
+    models = [torch.load(tmp_path / d / "model.pt", weights_only=True) for d in runs]
     assert all(torch.equal(models[0][k], models[1][k]) for k in models[0])
 
 
 def test_failure_without_restarts_says_how_to_turn_them_on(tmp_path):
-    pytest.importorskip("sklearn")
-    result = run_cli(
-        [
-            "-m",
-            "ddpkit",
-            "train",
-            "--dataset",
-            "digits",
-            "--nproc",
-            "2",
-            "--epochs",
-            "1",
-            "--output-dir",
-            str(tmp_path / "o"),
-        ],
-        env={"DDPKIT_FAULT_INJECT": "0:3"},
-        timeout_s=120,
+    result = _train_digits(
+        "--epochs", "1", "--output-dir", str(tmp_path / "o"), env={"DDPKIT_FAULT_INJECT": "0:3"}
     )
     assert result.returncode == 1
-    summary = [line for line in result.stderr.splitlines() if line.startswith("ddpkit run:")]
+    summary = _summary_lines(result)
     assert "first failure: rank 0/2 died from signal SIGKILL" in summary[0]
     assert result.stderr.strip().splitlines()[-1] == summary[-1]  # the summary ends the output
     assert "restarts are off (--max-restarts 0); add --max-restarts N" in summary[-1]
 
 
 def test_nan_loss_stops_every_rank_naming_the_step(tmp_path):
-    pytest.importorskip("sklearn")
-    result = run_cli(
-        [
-            "-m",
-            "ddpkit",
-            "train",
-            "--dataset",
-            "digits",
-            "--nproc",
-            "2",
-            "--epochs",
-            "1",
-            "--lr",
-            "1e9",
-            "--on-nonfinite",
-            "raise",
-            "--output-dir",
-            str(tmp_path / "o"),
-        ],
-        timeout_s=120,
+    result = _train_digits(
+        "--epochs",
+        "1",
+        "--lr",
+        "1e9",
+        "--on-nonfinite",
+        "raise",
+        "--output-dir",
+        str(tmp_path / "o"),
     )
     assert result.returncode == 1
-    summary = [line for line in result.stderr.splitlines() if line.startswith("ddpkit run:")]
-    assert "NonFiniteError: non-finite loss at step" in summary[0]
+    assert "NonFiniteError: non-finite loss at step" in _summary_lines(result)[0]
     assert not (tmp_path / "o" / "summary.json").exists()
