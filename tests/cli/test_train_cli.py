@@ -26,6 +26,7 @@ def _run(argv: list[str], capsys) -> tuple[int, str]:
         (["--output-dir", "{tmp}/a-file/out"], "is a file, not a folder"),
         (["--epochs", "0", "--lr", "-1"], "--epochs 0 must be >= 1; --lr -1.0 must be a finite"),
         (["--train-timeout", "inf"], "--train-timeout inf must be a finite number > 0"),
+        (["--bogus", "1"], "ddpkit train: error: unrecognized arguments: --bogus 1"),
     ],
 )
 def test_bad_input_is_one_line_exit_2_nothing_written(tmp_path, capsys, extra, expected):

@@ -29,6 +29,7 @@ def build_parser() -> argparse.ArgumentParser:
     subparsers = parser.add_subparsers(dest="command", required=True, parser_class=OneLineParser)
     for module in (train_cmd, run_cmd, doctor_cmd):
         module.add_parser(subparsers)
+    parser.set_defaults(subcommand_parsers=subparsers.choices)
     return parser
 
 
@@ -40,7 +41,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     that ``ddpkit run`` started, errors propagate instead, so the launcher's failure summary
     names the rank with the exception type and message.
     """
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args, unknown = parser.parse_known_args(argv)
+    if unknown:  # reported by the subcommand's parser, so the message names it
+        args.subcommand_parsers[args.command].error(f"unrecognized arguments: {' '.join(unknown)}")
     args.argv = list(sys.argv[1:] if argv is None else argv)
     try:
         return int(args.handler(args) or 0)
