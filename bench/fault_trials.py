@@ -23,20 +23,6 @@ import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-WRITER = """
-import sys, torch, ddpkit
-from ddpkit.distributed.env import ProcessInfo
-from ddpkit.distributed.process_group import Runtime
-from ddpkit.examples.mnist import MnistCNN
-rt = Runtime(ProcessInfo(), None, torch.device("cpu"))
-model = MnistCNN()
-ckpt = ddpkit.CheckpointManager(sys.argv[1], rt, keep_last=2)
-step = ckpt.resume(model=model)
-print("ready", flush=True)
-while True:
-    step += 1
-    ckpt.save(step, model=model)
-"""
 
 
 def rank_kill_trial(rng: random.Random, workdir: Path) -> tuple[bool, str]:
@@ -79,7 +65,9 @@ def writer_kill_trial(rng: random.Random, directory: Path) -> tuple[bool, str]:
     from ddpkit.distributed.process_group import Runtime
 
     proc = subprocess.Popen(
-        [sys.executable, "-c", WRITER, str(directory)], stdout=subprocess.PIPE, text=True
+        [sys.executable, "-m", "ddpkit.testing.checkpoint_writer", str(directory), "--mnist"],
+        stdout=subprocess.PIPE,
+        text=True,
     )
     proc.stdout.readline()
     time.sleep(rng.uniform(0.02, 1.0))

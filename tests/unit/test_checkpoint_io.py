@@ -81,26 +81,13 @@ def test_world_size_change_is_refused_naming_both(tmp_path):
         ddpkit.CheckpointManager(tmp_path, two).resume(model=model)
 
 
-WRITER = """
-import sys, torch, ddpkit
-from ddpkit.distributed.env import ProcessInfo
-from ddpkit.distributed.process_group import Runtime
-rt = Runtime(ProcessInfo(), None, torch.device("cpu"))
-model = torch.nn.Linear(256, 256)
-ckpt = ddpkit.CheckpointManager(sys.argv[1], rt, keep_last=2)
-step = ckpt.resume(model=model)
-print("ready", flush=True)
-while True:
-    step += 1
-    ckpt.save(step, model=model)
-"""
-
-
 def test_killing_the_writer_never_leaves_an_unloadable_newest(tmp_path):
     rng = random.Random(0)
-    for trial in range(5):  # bench/checkpoint_kill_trials.py runs 20
+    for trial in range(5):  # bench/fault_trials.py runs 20
         proc = subprocess.Popen(
-            [sys.executable, "-c", WRITER, str(tmp_path)], stdout=subprocess.PIPE, text=True
+            [sys.executable, "-m", "ddpkit.testing.checkpoint_writer", str(tmp_path)],
+            stdout=subprocess.PIPE,
+            text=True,
         )
         assert proc.stdout.readline().strip() == "ready"
         time.sleep(rng.uniform(0.05, 0.5))

@@ -265,11 +265,11 @@ class DataSource:
     note: str = ""
 
     def load(self, split: str) -> TensorDataset:
-        """The ``train`` or ``test`` split."""
+        """The ``train`` or ``test`` split (not re-hashed: :func:`resolve_data` verified it)."""
         if self.dataset == "digits":
             return load_digits_split(split)
         assert self.directory is not None
-        return load_idx_split(self.directory, split)
+        return load_idx_split(self.directory, split, verify=False)
 
 
 def resolve_data(
