@@ -82,7 +82,8 @@ def _gather(obj: Any, runtime: Runtime) -> list[Any]:
     if runtime.process_group is None:
         return [obj]
     out: list[Any] = [None] * runtime.world_size
-    dist.all_gather_object(out, obj, group=runtime.process_group)
+    with runtime.watch("all_gather_object"):
+        dist.all_gather_object(out, obj, group=runtime.process_group)
     return out
 
 

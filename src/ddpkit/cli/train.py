@@ -116,6 +116,14 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         help="how long one collective may wait (default 1800)",
     )
     parser.add_argument(
+        "--stall-timeout",
+        type=float,
+        default=300.0,
+        metavar="SECONDS",
+        help="watchdog: a collective waiting longer than this ends the job with a report naming "
+        "the late ranks and their Python stacks (default 300; 0 = off)",
+    )
+    parser.add_argument(
         "--max-steps",
         type=int,
         default=0,
@@ -177,6 +185,8 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
             problems.append(f"--{name.replace('_', '-')} {value} must be a finite number > 0")
     if args.max_steps < 0:
         problems.append(f"--max-steps {args.max_steps} must be >= 0")
+    if not (math.isfinite(args.stall_timeout) and args.stall_timeout >= 0):
+        problems.append(f"--stall-timeout {args.stall_timeout} must be a finite number >= 0")
     for name in ("checkpoint_every", "max_restarts", "check_replicas_every"):
         if getattr(args, name) < 0:
             problems.append(f"--{name.replace('_', '-')} {getattr(args, name)} must be >= 0")
@@ -214,7 +224,10 @@ def _train_here(args: argparse.Namespace, config: TrainConfig, source: DataSourc
     from ddpkit.distributed.process_group import init_runtime
     from ddpkit.log import configure_logging, get_logger
 
-    with init_runtime(args.backend, args.init_timeout, args.train_timeout) as runtime:
+    stall_timeout_s = args.stall_timeout or None  # 0 = off
+    with init_runtime(
+        args.backend, args.init_timeout, args.train_timeout, stall_timeout_s=stall_timeout_s
+    ) as runtime:
         configure_logging(runtime.info)
         if source.note and not args._worker:
             get_logger("train").info(source.note)

@@ -59,7 +59,8 @@ def verify_same_shape(tensor: torch.Tensor, runtime: Runtime, op: str) -> None:
     row = [tensor.dim(), code, *tensor.shape] + [-1] * (_MAX_DIMS - tensor.dim())
     local = torch.tensor(row, dtype=torch.int64, device=runtime.device)
     rows = [torch.empty_like(local) for _ in range(runtime.world_size)]
-    dist.all_gather(rows, local, group=runtime.process_group)
+    with runtime.watch(f"{op} shape check"):
+        dist.all_gather(rows, local, group=runtime.process_group)
     described = [_describe(r.tolist()) for r in rows]
     if len(set(described)) > 1:
         listing = ", ".join(f"rank {r} {d}" for r, d in enumerate(described))
@@ -91,7 +92,8 @@ def all_reduce(
     if _debug_enabled(runtime):
         verify_same_shape(result, runtime, "all_reduce")
     work = result.to(runtime.device)  # nccl reduces device tensors; gloo CPU ones
-    dist.all_reduce(work, op=op, group=runtime.process_group)
+    with runtime.watch("all_reduce"):
+        dist.all_reduce(work, op=op, group=runtime.process_group)
     return work.to(tensor.device)
 
 
@@ -118,4 +120,5 @@ def all_reduce_sum(values: Sequence[float] | torch.Tensor, runtime: Runtime) -> 
 def barrier(runtime: Runtime) -> None:
     """Wait until every rank reaches this call. Collective. A no-op at world size 1."""
     if runtime.process_group is not None:
-        dist.barrier(group=runtime.process_group)
+        with runtime.watch("barrier"):
+            dist.barrier(group=runtime.process_group)

@@ -9,6 +9,7 @@ collectives use it.
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import os
 from dataclasses import dataclass, field
@@ -27,7 +28,9 @@ import torch.distributed as dist
 if dist.is_available():
     import torch.distributed.nn.functional  # noqa: F401  (see above)
 
+from ddpkit.diagnostics.watchdog import Watchdog
 from ddpkit.distributed.env import ProcessInfo, detect_process_info
+from ddpkit.distributed.rendezvous import join, make_store, translate_store_error
 from ddpkit.errors import ConfigError, DistributedError
 
 BACKENDS = ("auto", "gloo", "nccl")
@@ -75,6 +78,7 @@ class Runtime:
         train_timeout_s: limit for one collective, in seconds.
         debug_collectives: compare shapes and dtypes across ranks before each ddpkit collective
             (see :mod:`ddpkit.distributed.collectives`; also ``DDPKIT_DEBUG_COLLECTIVES=1``).
+        watchdog: the stall detector (:mod:`ddpkit.diagnostics.watchdog`), or ``None`` (off).
     """
 
     info: ProcessInfo
@@ -83,6 +87,7 @@ class Runtime:
     process_group: Any = None
     train_timeout_s: float = 1800.0
     debug_collectives: bool = False
+    watchdog: Watchdog | None = None
     _closed: bool = field(default=False, repr=False)
 
     @property
@@ -101,6 +106,14 @@ class Runtime:
     def is_rank_zero(self) -> bool:
         return self.info.is_rank_zero
 
+    def watch(self, op: str) -> contextlib.AbstractContextManager[None]:
+        """Mark a collective for the watchdog (a no-op context when the watchdog is off).
+
+        Wrap every collective the ranks must all reach, e.g. ``with runtime.watch("backward"):
+        loss.backward()`` around DDP's gradient all-reduce.
+        """
+        return self.watchdog.watch(op) if self.watchdog is not None else _NULL_CONTEXT
+
     def close(self) -> None:
         """Destroy every process group this process created. Idempotent; safe on error paths.
 
@@ -110,6 +123,8 @@ class Runtime:
         if self._closed:
             return
         self._closed = True
+        if self.watchdog is not None:
+            self.watchdog.close()
         self.process_group = None
         if dist.is_available() and dist.is_initialized():
             dist.destroy_process_group()
@@ -125,14 +140,14 @@ class Runtime:
         self.close()
 
 
-def _check_timeouts(init_timeout_s: float, train_timeout_s: float) -> None:
+_NULL_CONTEXT = contextlib.nullcontext()
+
+
+def _check_timeouts(**timeouts_s: float | None) -> None:
     problems = [
         f"{name}={value!r} must be a positive number of seconds"
-        for name, value in (
-            ("init_timeout_s", init_timeout_s),
-            ("train_timeout_s", train_timeout_s),
-        )
-        if not isinstance(value, (int, float)) or isinstance(value, bool) or value <= 0
+        for name, value in timeouts_s.items()
+        if not isinstance(value, (int, float)) or isinstance(value, bool) or not value > 0
     ]
     if problems:
         raise ConfigError(f"invalid timeout: {'; '.join(problems)}. Pass e.g. 300.")
@@ -149,13 +164,17 @@ def _attempt_store(info: ProcessInfo, timeout_s: float) -> dist.Store:
     their own, and the torch issue above says those counts can differ.
     """
     attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
-    client = dist.TCPStore(
-        os.environ["MASTER_ADDR"],
-        int(os.environ["MASTER_PORT"]),
-        info.world_size,
-        is_master=False,
-        timeout=datetime.timedelta(seconds=timeout_s),
-    )
+    host, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
+    try:
+        client = dist.TCPStore(
+            host,
+            port,
+            info.world_size,
+            is_master=False,
+            timeout=datetime.timedelta(seconds=timeout_s),
+        )
+    except dist.DistNetworkError as exc:
+        raise translate_store_error(exc, host, port, False, timeout_s) from None
     return dist.PrefixStore(f"ddpkit/attempt_{attempt}", client)
 
 
@@ -165,6 +184,7 @@ def init_runtime(
     train_timeout_s: float = 1800.0,
     info: ProcessInfo | None = None,
     store: dist.Store | None = None,
+    stall_timeout_s: float | None = None,
 ) -> Runtime:
     """Join the job: create the process groups and pick this rank's device.
 
@@ -180,19 +200,27 @@ def init_runtime(
         info: the process coordinates; read from the environment when omitted.
         store: a rendezvous store to use instead of ``MASTER_ADDR``/``MASTER_PORT`` (e.g. a
             ``torch.distributed.FileStore`` shared by the ranks, as ddpkit's test harness does).
+        stall_timeout_s: start the watchdog (:mod:`ddpkit.diagnostics.watchdog`): a watched
+            collective waiting longer than this many seconds ends the job with a report naming
+            the late ranks and their stacks. ``None`` (default) leaves it off.
 
     Returns:
         A :class:`Runtime`; close it (or use ``with``) to destroy the groups.
 
     Raises:
-        ConfigError: bad backend or timeouts; a Slurm job without ``MASTER_ADDR``/``MASTER_PORT``.
-        DistributedError: a process group already exists (call this once per process).
+        ConfigError: bad backend or timeouts; a Slurm job without ``MASTER_ADDR``/``MASTER_PORT``;
+            ``MASTER_PORT`` already in use on rank 0.
+        DistributedError: a process group already exists (call this once per process); the
+            store at ``MASTER_ADDR:MASTER_PORT`` is unreachable; two processes claim one rank;
+            not every rank joined within ``init_timeout_s`` (the message lists the missing ones).
 
     Example:
         >>> with init_runtime() as rt:          # doctest: +SKIP
         ...     print(rt.rank, rt.world_size, rt.device)
     """
-    _check_timeouts(init_timeout_s, train_timeout_s)
+    _check_timeouts(init_timeout_s=init_timeout_s, train_timeout_s=train_timeout_s)
+    if stall_timeout_s is not None:
+        _check_timeouts(stall_timeout_s=stall_timeout_s)
     info = info or detect_process_info()
     chosen = resolve_backend(backend, info)
     device = torch.device("cuda", info.local_rank) if chosen == "nccl" else torch.device("cpu")
@@ -211,8 +239,10 @@ def init_runtime(
         )
     if chosen == "nccl":
         torch.cuda.set_device(device)
-    if store is None and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
-        store = _attempt_store(info, init_timeout_s)
+    if store is None:
+        agent_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+        store = (_attempt_store if agent_store else make_store)(info, init_timeout_s)
+    join(store, info, init_timeout_s)  # names missing or duplicate ranks, unlike a bare timeout
     dist.init_process_group(
         backend=chosen,
         rank=info.rank,
@@ -223,7 +253,12 @@ def init_runtime(
     )
     try:
         group = dist.new_group(timeout=datetime.timedelta(seconds=train_timeout_s))
+        watchdog = None
+        if stall_timeout_s is not None:
+            watchdog = Watchdog(store, info, stall_timeout_s).start()
     except BaseException:
         dist.destroy_process_group()
         raise
-    return Runtime(info, chosen, device, group, float(train_timeout_s))
+    runtime = Runtime(info, chosen, device, group, float(train_timeout_s))
+    runtime.watchdog = watchdog
+    return runtime

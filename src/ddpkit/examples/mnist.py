@@ -28,7 +28,7 @@ from ddpkit.distributed.process_group import Runtime
 from ddpkit.distributed.sampler import ShardedLoader, build_eval_loader, build_train_loader
 from ddpkit.errors import ConfigError
 from ddpkit.examples.mnist_data import DataSource
-from ddpkit.guards.nonfinite import NonFiniteGuard, check_replicas
+from ddpkit.guards.nonfinite import NonFiniteError, NonFiniteGuard, check_replicas
 from ddpkit.log import get_logger
 from ddpkit.parallel.wrap import model_state_dict, wrap_model
 from ddpkit.training.evaluate import evaluate
@@ -144,7 +144,8 @@ def train_one_epoch(
         inputs, targets = inputs.to(runtime.device), targets.to(runtime.device)
         optimizer.zero_grad(set_to_none=True)
         loss = F.cross_entropy(model(inputs), targets)
-        loss.backward()  # DDP all-reduces gradient buckets while backward runs
+        with runtime.watch("backward (DDP gradient all-reduce)"):
+            loss.backward()  # DDP all-reduces gradient buckets while backward runs
         if may_step is None or may_step(loss):
             optimizer.step()
             schedule.step()
@@ -278,6 +279,13 @@ def train_mnist(config: TrainConfig, runtime: Runtime, source: DataSource) -> di
         train_loss, num_samples, epoch_s = train_one_epoch(
             model, train_loader, optimizer, schedule, runtime, on_step, may_step
         )
+        if guard is None and not math.isfinite(train_loss):
+            raise NonFiniteError(
+                f"epoch {epoch}: the mean train loss over all ranks is {train_loss}: training "
+                "diverged or the data holds NaN/Inf. Rerun with --on-nonfinite raise to stop at "
+                "the first such step and name the rank (or skip to drop those steps); a lower "
+                "--lr often helps."
+            )
         train_time_s += epoch_s
         samples_total += num_samples
         test = evaluate(model, test_loader, runtime)

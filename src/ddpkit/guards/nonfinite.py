@@ -76,7 +76,8 @@ class NonFiniteGuard:
         report[world + rank] = float(step)
         if self.runtime.process_group is not None:
             report = report.to(self.runtime.device)
-            dist.all_reduce(report, group=self.runtime.process_group)
+            with self.runtime.watch("non-finite guard all_reduce"):
+                dist.all_reduce(report, group=self.runtime.process_group)
             report = report.cpu()
         steps = [int(s) for s in report[world:].tolist()]
         if len(set(steps)) > 1:
@@ -133,7 +134,8 @@ def check_replicas(model: nn.Module, runtime: Runtime, step: int) -> None:
         return
     names, local = parameter_checksums(model)
     gathered = [torch.empty_like(local) for _ in range(runtime.world_size)]
-    dist.all_gather(gathered, local.to(runtime.device), group=runtime.process_group)
+    with runtime.watch("replica check all_gather"):
+        dist.all_gather(gathered, local.to(runtime.device), group=runtime.process_group)
     reference = gathered[0].cpu()
     problems = []
     for rank, other in enumerate(gathered[1:], start=1):

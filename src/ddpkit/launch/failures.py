@@ -16,6 +16,9 @@ import traceback
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from ddpkit.diagnostics.translate import explain
+from ddpkit.errors import DdpkitError
+
 RUN_DIR_ENV = "DDPKIT_RUN_DIR"
 LAUNCHER_PID_ENV = "DDPKIT_LAUNCHER_PID"
 
@@ -29,9 +32,11 @@ class FailureRecord:
         restart: torchrun's restart count (``TORCHELASTIC_RESTART_COUNT``).
         type: the exception's class name, e.g. ``ValueError``.
         message: ``str(exception)``.
-        traceback: the formatted traceback.
+        traceback: the formatted traceback (empty for ddpkit's own errors and ``SystemExit``).
         time_s: wall-clock time of the failure, seconds since the epoch.
         pid: the worker's process id.
+        hint: the explanation and fix for a known failure (:func:`ddpkit.diagnostics.translate.
+            explain`), or ``""``.
     """
 
     rank: int
@@ -43,6 +48,7 @@ class FailureRecord:
     traceback: str
     time_s: float
     pid: int
+    hint: str = ""
 
     @property
     def headline(self) -> str:
@@ -97,9 +103,11 @@ def make_record(exc: BaseException, environ: dict[str, str] | None = None) -> Fa
         restart=int(env.get("TORCHELASTIC_RESTART_COUNT", 0)),
         type=type(exc).__name__,
         message=f"exit status {exc.code}" if isinstance(exc, SystemExit) else str(exc),
-        traceback="" if isinstance(exc, SystemExit) else _user_traceback(exc),
+        # ddpkit's own errors say what failed and how to fix it: the traceback adds only noise
+        traceback="" if isinstance(exc, (SystemExit, DdpkitError)) else _user_traceback(exc),
         time_s=getattr(exc, _FAILED_AT, None) or time.time(),
         pid=os.getpid(),
+        hint="" if isinstance(exc, SystemExit) else explain(exc) or "",
     )
 
 

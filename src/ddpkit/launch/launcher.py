@@ -135,6 +135,8 @@ def summarize_failure(
         first = records[0]
         lines.append(f"ddpkit run: {'then' if crashed else 'first failure'}: {first.headline}")
         lines += [f"ddpkit run:   {line}" for line in _traceback_tail(first.traceback)]
+        if first.hint:
+            lines.append(f"ddpkit run: hint: {first.hint}")
     exited = {rank: code for rank, code in unrecorded.items() if code > 0}
     if exited:
         ranks = ", ".join(f"rank {r} exit status {c}" for r, c in sorted(exited.items()))

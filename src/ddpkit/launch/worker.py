@@ -96,7 +96,9 @@ def _record_failure(exc: BaseException, show_traceback: bool) -> None:
         write_record(record, os.environ[RUN_DIR_ENV])
     if show_traceback:
         prefix = f"[rank {record.rank}/{record.world_size}]"
-        lines = record.traceback.rstrip("\n").splitlines()
+        lines = record.traceback.rstrip("\n").splitlines() or [f"{record.type}: {record.message}"]
+        if record.hint:
+            lines.append(f"ddpkit hint: {record.hint}")
         print("\n".join(f"{prefix} {line}" for line in lines), file=sys.stderr, flush=True)
 
 

@@ -98,6 +98,7 @@ def run_distributed(
     pg_timeout_s: float = 30.0,
     init: bool = True,
     env: dict[str, str] | None = None,
+    start_method: str = "spawn",
 ) -> list[Any]:
     """Run ``fn`` on ``world_size`` spawned ranks and return each rank's result.
 
@@ -112,14 +113,21 @@ def run_distributed(
         pg_timeout_s: the process group's init and collective timeout, in seconds.
         init: create the process group (through a ``FileStore``) before calling ``fn``.
         env: extra environment variables for every rank.
+        start_method: ``spawn`` (default, always safe) or ``forkserver``/``fork``; ``fork`` is
+            refused once CUDA is initialised in this process.
 
     Returns:
         ``[result of rank 0, result of rank 1, ...]`` (results must be picklable).
 
     Raises:
         DistributedTestError: a rank raised, died, or the run exceeded ``timeout_s``.
+        ConfigError: ``fork`` asked for after CUDA was initialised (see
+            :func:`ddpkit.diagnostics.translate.check_start_method`).
     """
-    ctx = mp.get_context("spawn")
+    from ddpkit.diagnostics.translate import check_start_method
+
+    check_start_method(start_method)
+    ctx = mp.get_context(start_method)
     workdir = tempfile.mkdtemp(prefix="ddpkit-test-")
     procs = [
         ctx.Process(

@@ -1,0 +1,103 @@
+"""One line with the fix for the classic failures of distributed training.
+
+ddpkit raises its own clear errors where it owns the call (the store, the rendezvous, the backend,
+wrapping a model twice, the non-finite guard). :func:`explain` covers errors that torch raises
+from the user's own code: ``ddpkit run``'s worker bootstrap prints its line under the traceback
+and puts it in the launcher's closing summary.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+
+import torch
+
+from ddpkit.errors import ConfigError
+
+# (text found in the exception message, the explanation and fix)
+_KNOWN: tuple[tuple[str, str], ...] = (
+    (
+        "Default process group has not been initialized",
+        "torch.distributed was used before the process group exists: call "
+        "ddpkit.init_runtime() (or torch.distributed.init_process_group) first, on every rank, "
+        "before DistributedDataParallel, DistributedSampler or any collective.",
+    ),
+    (
+        "Cannot re-initialize CUDA in forked subprocess",
+        "CUDA was initialised in the parent before it forked this worker; forked children "
+        "cannot use CUDA. Start workers with the 'spawn' start method (ddpkit run / torchrun "
+        "do), or move every CUDA call into the worker.",
+    ),
+    (
+        "Distributed package doesn't have NCCL built in",
+        "backend nccl is not in this torch build (a CPU build). Use --backend gloo, or 'auto', "
+        "which picks nccl only where it works.",
+    ),
+    (
+        "ProcessGroupNCCL is only supported with GPUs",
+        "backend nccl needs a CUDA device for each rank and none was found. Use --backend gloo "
+        "(or 'auto') on CPU machines.",
+    ),
+    (
+        "Torch not compiled with CUDA enabled",
+        "a CUDA device was asked for, but this torch build has no CUDA. Use the CPU device and "
+        "--backend gloo (or 'auto'), or install a CUDA build of torch.",
+    ),
+    (
+        "Found no NVIDIA driver",
+        "a CUDA device was asked for on a machine without an NVIDIA driver. Use the CPU device "
+        "and --backend gloo (or 'auto').",
+    ),
+    (
+        "Expected to have finished reduction in the prior iteration",
+        "some parameters got no gradient in the previous step, so DDP waited for them. If a "
+        "branch is skipped on some steps, pass find_unused_parameters=True "
+        "(--find-unused-parameters); if an output is returned but not used in the loss, use it "
+        "or stop returning it.",
+    ),
+)
+
+
+def explain(exc: BaseException) -> str | None:
+    """The explanation and fix for a known distributed-training failure, else ``None``.
+
+    Looks at ``exc`` and the exceptions it was raised from (``__cause__``/``__context__``).
+
+    Example:
+        >>> explain(ValueError("Default process group has not been initialized, ..."))[:32]
+        'torch.distributed was used befor'
+    """
+    seen: set[int] = set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        text = str(exc)
+        for needle, explanation in _KNOWN:
+            if needle in text:
+                return explanation
+        exc = exc.__cause__ or exc.__context__
+    return None
+
+
+def check_start_method(start_method: str) -> None:
+    """Refuse to fork workers from a process that has already initialised CUDA.
+
+    A forked child inherits a CUDA context it cannot use: its first CUDA call fails with
+    "Cannot re-initialize CUDA in forked subprocess", or it hangs. ``spawn`` and ``forkserver``
+    start a fresh interpreter and are always safe.
+
+    Raises:
+        ConfigError: ``start_method`` is ``"fork"`` and CUDA is initialised in this process; or
+            ``start_method`` is not one this platform offers.
+    """
+    allowed = multiprocessing.get_all_start_methods()
+    if start_method not in allowed:
+        raise ConfigError(
+            f"unknown start method: start_method={start_method!r}. Allowed here: "
+            f"{', '.join(allowed)}."
+        )
+    if start_method == "fork" and torch.cuda.is_initialized():
+        raise ConfigError(
+            "refusing to fork workers: CUDA is already initialised in this process, and forked "
+            "children cannot use it ('Cannot re-initialize CUDA in forked subprocess'). Use "
+            "start_method='spawn', or move every CUDA call into the workers."
+        )

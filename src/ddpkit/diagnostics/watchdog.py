@@ -1,0 +1,285 @@
+"""Watchdog: turn a collective that waits too long into a report that names the late rank.
+
+Each rank runs one background thread. The training thread marks the collectives it enters with
+:meth:`Watchdog.watch` (ddpkit's collectives, barriers and the DDP backward do this through
+:meth:`ddpkit.Runtime.watch`): a counter and a name, kept in memory, nothing sent. Every
+``interval_s`` the thread publishes a heartbeat through the rendezvous store: ``(collective
+number, name, inside or not, wall time)``. When this rank has waited inside one collective
+longer than ``stall_timeout_s``, its thread
+
+1. reads every rank's heartbeat and sorts them: waiting in the same collective, *not arrived*
+   (still before it), in a different collective, or silent (no heartbeat: dead, or blocked
+   while holding the GIL);
+2. asks every rank for the Python stack of its training thread and waits briefly for them;
+3. hands the report to ``on_stall``. The default prints it with a ``[rank r/N]`` prefix,
+   records it for ``ddpkit run``'s summary, tells the other ranks to stop (they exit after a
+   short grace), and ends the process with exit status 1 -- rather than waiting out the
+   collective timeout. The training thread is blocked inside the collective, where Python
+   cannot raise, so ending the process is the only way out.
+
+Cost when nothing is wrong: two attribute writes per collective in the training thread, and
+one store write plus two key checks per ``interval_s`` in the background thread.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import sys
+import threading
+import time
+import traceback
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+
+import torch.distributed as dist
+
+from ddpkit.distributed.env import ProcessInfo
+from ddpkit.errors import ConfigError, DistributedError
+
+PREFIX = "ddpkit/watchdog"
+MAX_STACK_FRAMES = 12
+
+
+class StallError(DistributedError):
+    """A collective waited past the stall timeout (the watchdog's report is the message)."""
+
+
+@dataclass
+class StallReport:
+    """What the watchdog found.
+
+    Attributes:
+        rank: the rank that detected the stall.
+        op: the collective it waits in, and ``seq`` its number (1 = the first watched one).
+        waited_s: how long it had waited, in seconds.
+        late_ranks: ranks that have not arrived at collective ``seq`` (or are silent).
+        peers: one line per other rank saying where it is.
+        stacks: rank -> the Python stack of its training thread (missing when it did not answer).
+    """
+
+    rank: int
+    world_size: int
+    op: str
+    seq: int
+    waited_s: float
+    late_ranks: list[int] = field(default_factory=list)
+    peers: list[str] = field(default_factory=list)
+    stacks: dict[int, str] = field(default_factory=dict)
+
+    @property
+    def headline(self) -> str:
+        late = ", ".join(map(str, self.late_ranks)) or "none found"
+        return (
+            f"stall: rank {self.rank} waited {self.waited_s:.0f} s in {self.op} (collective "
+            f"#{self.seq}); late rank(s): {late}"
+        )
+
+    def text(self) -> str:
+        lines = [self.headline, *(f"  {line}" for line in self.peers)]
+        for rank in range(self.world_size):
+            stack = self.stacks.get(rank)
+            lines.append(f"  --- stack of rank {rank}'s training thread:")
+            lines += [f"    {line}" for line in (stack or "(no answer)\n").rstrip().splitlines()]
+        return "\n".join(lines)
+
+
+def main_thread_stack(thread_id: int) -> str:
+    """The formatted stack of thread ``thread_id`` (its last frames, without ddpkit's launch
+    bootstrap and runpy), or ``""`` if the thread is gone."""
+    frame = sys._current_frames().get(thread_id)
+    if frame is None:
+        return ""
+    skip = ("ddpkit/launch/worker.py", "runpy", "<frozen runpy>")
+    frames = [f for f in traceback.extract_stack(frame) if not f.filename.endswith(skip)]
+    return "".join(traceback.format_list(frames[-MAX_STACK_FRAMES:]))
+
+
+class Watchdog:
+    """Per-rank stall detector; see the module docstring.
+
+    Args:
+        store: the job's rendezvous store (shared by all ranks).
+        info: this process's rank and world size.
+        stall_timeout_s: report a collective that waits longer than this, in seconds.
+        interval_s: heartbeat period, in seconds; a rank counts as silent after ``3 *
+            interval_s + 2`` seconds without one.
+        on_stall: called (in the watchdog thread) with the :class:`StallReport`; the default
+            prints it, records it and ends the process (exit status 1).
+
+    Raises:
+        ConfigError: ``stall_timeout_s`` or ``interval_s`` not positive.
+    """
+
+    def __init__(
+        self,
+        store: dist.Store,
+        info: ProcessInfo,
+        stall_timeout_s: float,
+        interval_s: float = 1.0,
+        on_stall: Callable[[StallReport], None] | None = None,
+    ) -> None:
+        if not stall_timeout_s > 0 or not interval_s > 0:
+            raise ConfigError(
+                f"invalid watchdog timing: stall_timeout_s={stall_timeout_s!r}, "
+                f"interval_s={interval_s!r}. Both must be positive seconds, e.g. 300 and 1."
+            )
+        self.info = info
+        self.stall_timeout_s = float(stall_timeout_s)
+        self.interval_s = float(interval_s)
+        self.on_stall = on_stall or self._report_and_exit
+        self._store = dist.PrefixStore(PREFIX, store)
+        self._thread_id = threading.get_ident()
+        self._current: tuple[int, str, float | None] = (0, "", None)  # seq, op, entered (mono)
+        self._answered_dump = self._fired = False
+        self._abort_seen_at: float | None = None
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="ddpkit-watchdog", daemon=True)
+
+    def start(self) -> Watchdog:
+        self._thread.start()
+        return self
+
+    def close(self) -> None:
+        """Stop the background thread (idempotent). Not a collective."""
+        self._stop.set()
+        if self._thread.is_alive() and threading.get_ident() != self._thread.ident:
+            self._thread.join(timeout=self.interval_s + 5)
+
+    @contextmanager
+    def watch(self, op: str) -> Iterator[None]:
+        """Mark the enclosed code as collective number N named ``op``.
+
+        Every rank must enter the same watched collectives in the same order (as collectives
+        require anyway); the numbering is how ranks are compared.
+        """
+        seq = self._current[0] + 1
+        self._current = (seq, op, time.monotonic())
+        try:
+            yield
+        finally:
+            self._current = (seq, op, None)
+
+    # --- background thread --------------------------------------------------------------------
+    def _run(self) -> None:
+        failures = 0
+        while not self._stop.wait(self.interval_s):
+            try:
+                self._tick()
+                failures = 0
+            except Exception:  # the store is gone (job ending, rank 0 died): stop watching
+                failures += 1
+                if failures >= 3:
+                    return
+
+    def _tick(self) -> None:
+        seq, op, entered = self._current
+        beat = {
+            "seq": seq,
+            "op": op,
+            "inside": entered is not None,
+            "time_s": time.time(),
+            "pid": os.getpid(),
+            "host": socket.gethostname(),
+        }
+        self._store.set(f"beat/{self.info.rank}", json.dumps(beat))
+        if not self._answered_dump and self._store.check(["dump"]):
+            self._answered_dump = True
+            self._store.set(f"stack/{self.info.rank}", main_thread_stack(self._thread_id))
+        if self._store.check(["abort"]) and not self._fired:
+            self._follow_abort()
+        if entered is not None and not self._fired:
+            waited = time.monotonic() - entered
+            if waited > self.stall_timeout_s:
+                self._fired = True
+                self.on_stall(self._diagnose(seq, op, waited))
+
+    def _follow_abort(self) -> None:
+        """Another rank reported a stall: answer its stack request, then stop after a grace."""
+        now = time.monotonic()
+        if self._abort_seen_at is None:
+            self._abort_seen_at = now
+        elif now - self._abort_seen_at >= 2 * self.interval_s:
+            headline = self._store.get("abort").decode()
+            self._exit(StallError(f"stopped by another rank's watchdog: {headline}"))
+
+    def _read_beat(self, rank: int) -> dict | None:
+        key = f"beat/{rank}"
+        return json.loads(self._store.get(key)) if self._store.check([key]) else None
+
+    def _diagnose(self, seq: int, op: str, waited_s: float) -> StallReport:
+        report = StallReport(self.info.rank, self.info.world_size, op, seq, waited_s)
+        silent_after_s = 3 * self.interval_s + 2
+        for rank in range(self.info.world_size):
+            if rank == self.info.rank:
+                continue
+            where, late = describe_peer(self._read_beat(rank), seq, op, silent_after_s)
+            report.peers.append(f"rank {rank}: {where}")
+            if late:
+                report.late_ranks.append(rank)
+        report.stacks = self._gather_stacks()
+        return report
+
+    def _gather_stacks(self) -> dict[int, str]:
+        self._store.set("dump", str(self.info.rank))
+        self._answered_dump = True
+        self._store.set(f"stack/{self.info.rank}", main_thread_stack(self._thread_id))
+        keys = [f"stack/{r}" for r in range(self.info.world_size)]
+        deadline = time.monotonic() + max(3 * self.interval_s, 2.0)
+        while time.monotonic() < deadline and not self._store.check(keys):
+            time.sleep(0.05)
+        return {
+            r: self._store.get(key).decode()
+            for r, key in enumerate(keys)
+            if self._store.check([key])
+        }
+
+    def _report_and_exit(self, report: StallReport) -> None:
+        prefix = f"[rank {self.info.rank}/{self.info.world_size}]"
+        print("\n".join(f"{prefix} {line}" for line in report.text().splitlines()),
+              file=sys.stderr, flush=True)  # fmt: skip
+        error = StallError(report.text())
+        self._record(error)
+        self._store.set("abort", report.headline)
+        time.sleep(3 * self.interval_s)  # let the others read the abort before the store goes
+        self._exit(error, recorded=True)
+
+    def _record(self, error: StallError) -> None:
+        from ddpkit.launch.failures import RUN_DIR_ENV, make_record, write_record
+
+        if os.environ.get(RUN_DIR_ENV):
+            write_record(make_record(error), os.environ[RUN_DIR_ENV])
+
+    def _exit(self, error: StallError, recorded: bool = False) -> None:
+        if not recorded:
+            self._record(error)
+            prefix = f"[rank {self.info.rank}/{self.info.world_size}]"
+            print(f"{prefix} {str(error).splitlines()[0]}", file=sys.stderr, flush=True)
+        for stream in (sys.stdout, sys.stderr):
+            stream.flush()
+        os._exit(1)
+
+
+def describe_peer(beat: dict | None, seq: int, op: str, silent_after_s: float) -> tuple[str, bool]:
+    """Where a peer is relative to collective ``seq`` named ``op``: ``(text, is_late)``."""
+    if beat is None:
+        return "no heartbeat yet (not started, or started without the watchdog)", True
+    age_s = time.time() - beat["time_s"]
+    place = f"collective #{beat['seq']} ({beat['op'] or 'none'})"
+    if age_s > silent_after_s:
+        return (
+            f"silent for {age_s:.0f} s, last at {place}: dead, or blocked while holding the GIL",
+            True,
+        )
+    if beat["seq"] < seq or (beat["seq"] == seq and not beat["inside"] and beat["op"] != op):
+        state = "inside" if beat["inside"] else "after"
+        return f"has not arrived: {state} {place}, running other code (see its stack)", True
+    if beat["seq"] > seq:
+        return f"is ahead, at {place}: the ranks called different collectives", True
+    if beat["op"] != op:
+        return f"is in a different collective: {place}", True
+    if not beat["inside"]:
+        return f"has passed {place} and runs other code", False
+    return f"waiting in {place} too", False
