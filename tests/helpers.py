@@ -54,3 +54,49 @@ def pid_alive(pid: int) -> bool:
             return handle.read().split(")")[-1].split()[0] != "Z"
     except FileNotFoundError:
         return False
+
+
+def descendants(pid: int) -> set[int]:
+    """``pid`` and every process below it (from /proc)."""
+    parents: dict[int, int] = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as handle:
+                    parents[int(entry)] = int(handle.read().rsplit(")", 1)[1].split()[1])
+            except (FileNotFoundError, ProcessLookupError, IndexError):
+                continue
+    found = {pid}
+    while True:
+        more = {child for child, parent in parents.items() if parent in found} - found
+        if not more:
+            return found
+        found |= more
+
+
+def listening_sockets(pids: set[int]) -> list[tuple[str, int]]:
+    """``(address, port)`` of every TCP socket in LISTEN state held by ``pids`` (IPv4 and v6)."""
+    inodes: set[str] = set()
+    for pid in pids:
+        try:
+            for fd in os.listdir(f"/proc/{pid}/fd"):
+                target = os.readlink(f"/proc/{pid}/fd/{fd}")
+                if target.startswith("socket:["):
+                    inodes.add(target[8:-1])
+        except (FileNotFoundError, PermissionError, ProcessLookupError):
+            continue
+    found = []
+    for table, v6 in (("/proc/net/tcp", False), ("/proc/net/tcp6", True)):
+        with open(table) as handle:
+            for line in handle.readlines()[1:]:
+                fields = line.split()
+                local, state, inode = fields[1], fields[3], fields[9]
+                if state != "0A" or inode not in inodes:  # 0A: LISTEN
+                    continue
+                address_hex, port_hex = local.split(":")
+                if v6:
+                    address = "v6:" + address_hex
+                else:
+                    address = ".".join(str(b) for b in reversed(bytes.fromhex(address_hex)))
+                found.append((address, int(port_hex, 16)))
+    return found

@@ -178,8 +178,9 @@ def test_torchrun_argv_passes_user_arguments_through_untouched():
     from torch.distributed import run as torchrun
 
     target = ["-m", "pkg.mod", "--nproc", "2", "--max", "1", "--", "x"]  # torchrun-like flags
-    args = torchrun.parse_args(torchrun_argv(LaunchSpec(target, 3)))
-    assert args.standalone and args.nproc_per_node == "3" and args.module
+    args = torchrun.parse_args(torchrun_argv(LaunchSpec(target, 3), "127.0.0.1:5", "id"))
+    assert args.rdzv_endpoint == "127.0.0.1:5" and args.nproc_per_node == "3" and args.module
+    assert args.local_addr == "127.0.0.1" and args.rdzv_conf == "is_host=false"
     assert args.training_script == "ddpkit.launch.worker"
     assert args.training_script_args == target
 

@@ -30,8 +30,14 @@ if dist.is_available():
 
 from ddpkit.diagnostics.watchdog import Watchdog
 from ddpkit.distributed.env import ProcessInfo, detect_process_info
-from ddpkit.distributed.rendezvous import join, make_store, translate_store_error
+from ddpkit.distributed.rendezvous import (
+    check_world_size_limit,
+    join,
+    make_store,
+    translate_store_error,
+)
 from ddpkit.errors import ConfigError, DistributedError
+from ddpkit.security.token import load_token
 
 BACKENDS = ("auto", "gloo", "nccl")
 
@@ -209,10 +215,13 @@ def init_runtime(
 
     Raises:
         ConfigError: bad backend or timeouts; a Slurm job without ``MASTER_ADDR``/``MASTER_PORT``;
-            ``MASTER_PORT`` already in use on rank 0.
+            ``MASTER_PORT`` already in use on rank 0; a non-loopback ``MASTER_ADDR`` for a
+            single-node job; a world size above ``DDPKIT_MAX_WORLD_SIZE``; a bad job token
+            setting (:func:`ddpkit.security.token.load_token`).
         DistributedError: a process group already exists (call this once per process); the
             store at ``MASTER_ADDR:MASTER_PORT`` is unreachable; two processes claim one rank;
-            not every rank joined within ``init_timeout_s`` (the message lists the missing ones).
+            not every rank joined within ``init_timeout_s`` (the message lists the missing ones);
+            this process's world size or job token does not match the job's.
 
     Example:
         >>> with init_runtime() as rt:          # doctest: +SKIP
@@ -222,6 +231,7 @@ def init_runtime(
     if stall_timeout_s is not None:
         _check_timeouts(stall_timeout_s=stall_timeout_s)
     info = info or detect_process_info()
+    check_world_size_limit(info)
     chosen = resolve_backend(backend, info)
     device = torch.device("cuda", info.local_rank) if chosen == "nccl" else torch.device("cpu")
     if not info.is_distributed:
@@ -237,12 +247,13 @@ def init_runtime(
             f"cannot rendezvous: {', '.join(missing)} not set (launcher={info.source}). "
             "Start with torchrun/ddpkit run, or export rank 0's MASTER_ADDR and MASTER_PORT."
         )
+    token = load_token()
     if chosen == "nccl":
         torch.cuda.set_device(device)
     if store is None:
         agent_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
         store = (_attempt_store if agent_store else make_store)(info, init_timeout_s)
-    join(store, info, init_timeout_s)  # names missing or duplicate ranks, unlike a bare timeout
+    join(store, info, init_timeout_s, token)  # names missing/duplicate ranks; checks the token
     dist.init_process_group(
         backend=chosen,
         rank=info.rank,

@@ -17,7 +17,9 @@ already in use.
 from __future__ import annotations
 
 import datetime
+import json
 import os
+import secrets
 import socket
 import time
 import uuid
@@ -27,8 +29,11 @@ import torch.distributed as dist
 from ddpkit.distributed.env import ProcessInfo
 from ddpkit.errors import ConfigError, DistributedError
 from ddpkit.log import get_logger
+from ddpkit.security.bind import check_store_address, listening_socket
+from ddpkit.security.token import TOKEN_ENV, TOKEN_FILE_ENV, mac, same
 
 PREFIX = "ddpkit/join"
+MAX_WORLD_SIZE_ENV = "DDPKIT_MAX_WORLD_SIZE"
 PROGRESS_EVERY_S = 10.0
 
 
@@ -52,20 +57,32 @@ def format_ranks(ranks: list[int]) -> str:
 def make_store(info: ProcessInfo, timeout_s: float) -> dist.TCPStore:
     """The job's TCPStore from ``MASTER_ADDR``/``MASTER_PORT``: rank 0 serves it, others connect.
 
+    Rank 0 listens on ``MASTER_ADDR``'s address only (a socket bound by ddpkit, handed to the
+    libuv store as ``master_listen_fd``), never on every interface; see
+    :func:`ddpkit.security.bind.check_store_address` for which addresses are allowed.
+
     Raises:
-        ConfigError: the port is already in use on rank 0's machine.
+        ConfigError: the port is already in use on rank 0's machine; a non-loopback address
+            for a single-node job.
         DistributedError: a rank cannot reach the store within ``timeout_s``.
     """
     host, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
     is_master = info.rank == 0
+    timeout = datetime.timedelta(seconds=timeout_s)
     try:
+        if not is_master:
+            return dist.TCPStore(host, port, info.world_size, is_master=False, timeout=timeout)
+        check_store_address(host, multi_node=info.world_size > info.local_world_size)
+        listener = listening_socket(host, port)
         return dist.TCPStore(
             host,
             port,
             info.world_size,
-            is_master=is_master,
-            timeout=datetime.timedelta(seconds=timeout_s),
+            is_master=True,
+            timeout=timeout,
             wait_for_workers=False,  # join() waits, and says who is missing
+            master_listen_fd=listener.detach(),  # the store owns the bound socket from here
+            use_libuv=True,
         )
     except dist.DistNetworkError as exc:
         raise translate_store_error(exc, host, port, is_master, timeout_s) from None
@@ -95,8 +112,8 @@ def translate_store_error(
 
 
 def _owner(claim: str) -> str:
-    host, pid, _ = claim.rsplit(":", 2)
-    return f"{host} pid {pid}"
+    parts = claim.split("|", 1)[0].rsplit(":", 2)
+    return f"{parts[0]} pid {parts[1]}" if len(parts) == 3 else repr(claim[:40])
 
 
 def _duplicate_error(rank: int, claims: str) -> DistributedError:
@@ -106,17 +123,102 @@ def _duplicate_error(rank: int, claims: str) -> DistributedError:
     )
 
 
-def join(store: dist.Store, info: ProcessInfo, timeout_s: float, poll_s: float = 0.05) -> None:
+def _refused(info: ProcessInfo, why: str) -> DistributedError:
+    return DistributedError(f"refused to join as rank {info.rank}: {why}.")
+
+
+def check_world_size_limit(info: ProcessInfo, environ: dict[str, str] | None = None) -> None:
+    """Refuse a world size above ``DDPKIT_MAX_WORLD_SIZE`` (when set).
+
+    Raises:
+        ConfigError: the limit is not a positive integer, or the world size exceeds it.
+    """
+    env = os.environ if environ is None else environ
+    raw = env.get(MAX_WORLD_SIZE_ENV, "")
+    if not raw:
+        return
+    if not raw.isdigit() or int(raw) < 1:
+        raise ConfigError(f"invalid {MAX_WORLD_SIZE_ENV}={raw!r}: expected an integer >= 1.")
+    if info.world_size > int(raw):
+        raise ConfigError(
+            f"world size above the limit: world_size={info.world_size}, "
+            f"{MAX_WORLD_SIZE_ENV}={raw}. Start fewer processes or raise the limit."
+        )
+
+
+def _job_record(store: dist.Store, info: ProcessInfo, token: bytes | None) -> dict:
+    """Record the job (first process) or check this process against it (every later one)."""
+    challenge = secrets.token_hex(32)
+    mine = json.dumps(
+        {
+            "world_size": info.world_size,
+            "challenge": challenge,
+            "verifier": mac(token, challenge, "verify") if token else "",
+        }
+    )
+    job = json.loads(store.compare_set(f"{PREFIX}/job", "", mine).decode())
+    if job["world_size"] != info.world_size:
+        raise _refused(
+            info,
+            f"this job has world_size={job['world_size']} but this process has "
+            f"world_size={info.world_size}. Start every rank with the same world size",
+        )
+    if job["verifier"] and token is None:
+        raise _refused(
+            info,
+            f"this job requires a job token. Set {TOKEN_ENV} or {TOKEN_FILE_ENV} (the same "
+            "token on every rank)",
+        )
+    if token is not None and not job["verifier"]:
+        raise _refused(
+            info,
+            "this process has a job token but the job was started without one. Give every "
+            "rank the same token, or none",
+        )
+    if token is not None and not same(mac(token, job["challenge"], "verify"), job["verifier"]):
+        raise _refused(
+            info, f"the job token ({TOKEN_ENV}/{TOKEN_FILE_ENV}) does not match this job's"
+        )
+    return job
+
+
+def _verify_claims(store: dist.Store, info: ProcessInfo, token: bytes, job: dict) -> None:
+    for rank in range(info.world_size):
+        claim = store.get(f"{PREFIX}/rank/{rank}").decode()
+        who, _, proof = claim.rpartition("|")
+        if not same(mac(token, job["challenge"], str(rank), who), proof):
+            raise DistributedError(
+                f"rendezvous refused: rank {rank}'s claim ({_owner(claim)}) carries no valid "
+                f"proof of the job token, so a process without the token tried to join as rank "
+                f"{rank}. The job stops before any training collective; check who can reach "
+                "the store's port."
+            )
+
+
+def join(
+    store: dist.Store,
+    info: ProcessInfo,
+    timeout_s: float,
+    token: bytes | None = None,
+    poll_s: float = 0.05,
+) -> None:
     """Claim this rank in ``store`` and wait until all ``world_size`` ranks have joined.
+
+    With a job ``token`` (:mod:`ddpkit.security.token`) a process must prove it holds the job's
+    token to be admitted, and every rank verifies every other rank's proof.
 
     Collective: call on every rank, before ``init_process_group`` with the same store.
 
     Raises:
-        DistributedError: another process already claimed this rank (raised on both); or fewer
+        DistributedError: another process already claimed this rank (raised on both); fewer
             than ``world_size`` ranks joined within ``timeout_s`` seconds -- the message gives
-            how many joined and which ranks are missing.
+            how many joined and which ranks are missing; this process's world size or token does
+            not match the job's ("refused to join"); a rank's claim lacks a valid token proof.
     """
+    job = _job_record(store, info, token)
     me = f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
+    if token is not None:
+        me = f"{me}|{mac(token, job['challenge'], str(info.rank), me)}"
     owner = store.compare_set(f"{PREFIX}/rank/{info.rank}", "", me).decode()
     if owner != me:
         claims = f"{_owner(owner)} and {_owner(me)}"
@@ -140,6 +242,8 @@ def join(store: dist.Store, info: ProcessInfo, timeout_s: float, poll_s: float =
             last_note = time.monotonic()
             log.warning("waiting for ranks (%.0f s): %s", waited, _who_joined(store, info))
         time.sleep(poll_s)
+    if token is not None:
+        _verify_claims(store, info, token, job)
 
 
 def _who_joined(store: dist.Store, info: ProcessInfo) -> str:

@@ -2,8 +2,10 @@
 
 What ddpkit adds over calling torchrun yourself:
 
-- a standalone c10d rendezvous on ``localhost:0``: the store binds a port the OS picks, so no
-  "free port" guess can race with another job;
+- a c10d rendezvous whose store ddpkit itself hosts, listening on 127.0.0.1 only, on a port the
+  OS picks (torchrun's own stores listen on every interface); workers find their rank-0 store
+  at 127.0.0.1 and gloo binds the loopback interface (``GLOO_SOCKET_IFNAME=lo``), so nothing
+  outside this machine can reach any of the job's ports;
 - ``OMP_NUM_THREADS`` set to the usable cores divided by the number of processes (when unset);
 - every worker runs under :mod:`ddpkit.launch.worker`, which records the first failure and shuts
   the process group down so the job never aborts at exit;
@@ -16,10 +18,14 @@ import os
 import shutil
 import sys
 import tempfile
+import uuid
 from dataclasses import dataclass
+
+import torch.distributed as dist
 
 from ddpkit.errors import ConfigError
 from ddpkit.launch.failures import LAUNCHER_PID_ENV, RUN_DIR_ENV, FailureRecord, read_records
+from ddpkit.security.bind import listening_socket
 
 WORKER_MODULE = "ddpkit.launch.worker"
 
@@ -84,11 +90,19 @@ def validate_spec(spec: LaunchSpec) -> None:
         raise ConfigError(f"invalid launch: {'; '.join(problems)}.")
 
 
-def torchrun_argv(spec: LaunchSpec) -> list[str]:
-    """The ``torch.distributed.run`` command line for ``spec`` (without the program name)."""
+def torchrun_argv(spec: LaunchSpec, rdzv_endpoint: str, run_id: str) -> list[str]:
+    """The ``torch.distributed.run`` command line for ``spec`` (without the program name).
+
+    ``rdzv_endpoint`` (``host:port``) is a TCPStore the caller already hosts: torchrun's agent
+    only connects to it (``is_host=false``), and advertises ``127.0.0.1`` to the workers.
+    """
     return [
-        "--standalone",
         "--nnodes=1",
+        "--rdzv-backend=c10d",
+        f"--rdzv-endpoint={rdzv_endpoint}",
+        f"--rdzv-id={run_id}",
+        "--rdzv-conf=is_host=false",
+        "--local-addr=127.0.0.1",
         f"--nproc-per-node={spec.nproc}",
         f"--max-restarts={spec.max_restarts}",
         "--monitor-interval=0.1",
@@ -167,6 +181,11 @@ def launch(spec: LaunchSpec) -> int:
 
     run_dir = tempfile.mkdtemp(prefix="ddpkit-run-")
     saved = dict(os.environ)
+    rdzv_store = host_rendezvous_store("127.0.0.1")
+    # Workers: no shared agent store (it would listen on every interface); rank 0 serves the
+    # job's store on 127.0.0.1 (ddpkit's make_store), and gloo binds the loopback interface.
+    os.environ["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
+    os.environ["GLOO_SOCKET_IFNAME"] = "lo"
     if spec.omp_num_threads is not None:
         os.environ["OMP_NUM_THREADS"] = str(spec.omp_num_threads)
     else:
@@ -174,7 +193,8 @@ def launch(spec: LaunchSpec) -> int:
     os.environ[RUN_DIR_ENV] = run_dir
     os.environ[LAUNCHER_PID_ENV] = str(os.getpid())
     try:
-        torchrun.run(torchrun.parse_args(torchrun_argv(spec)))
+        argv = torchrun_argv(spec, f"127.0.0.1:{rdzv_store.port}", uuid.uuid4().hex)
+        torchrun.run(torchrun.parse_args(argv))
         return 0
     except ChildFailedError as exc:
         records = read_records(run_dir)
@@ -194,3 +214,23 @@ def launch(spec: LaunchSpec) -> int:
         os.environ.clear()
         os.environ.update(saved)
         shutil.rmtree(run_dir, ignore_errors=True)
+        del rdzv_store
+
+
+def host_rendezvous_store(address: str) -> dist.TCPStore:
+    """A TCPStore for torchrun's c10d rendezvous, listening on ``address`` only (port: OS pick).
+
+    Raises:
+        ConfigError: ``address`` is not one of this machine's.
+    """
+    listener = listening_socket(address, 0)
+    port = listener.getsockname()[1]
+    return dist.TCPStore(
+        address,
+        port,
+        is_master=True,
+        wait_for_workers=False,
+        multi_tenant=True,
+        master_listen_fd=listener.detach(),
+        use_libuv=True,
+    )

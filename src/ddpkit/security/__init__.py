@@ -1,0 +1,1 @@
+"""ddpkit.security: bound listeners, the job token handshake, limits."""

@@ -1,0 +1,101 @@
+"""Rendezvous security on a real `ddpkit run` job: loopback-only listeners, the job token."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+
+from tests.helpers import descendants, listening_sockets, run_cli
+
+TOKEN = "0123456789abcdef0123456789abcdef"
+
+JOB = """
+import json, os, time
+from pathlib import Path
+import ddpkit
+
+folder = Path(os.environ["TEST_DIR"])
+with ddpkit.init_runtime("gloo", init_timeout_s=60) as rt:
+    if rt.rank == 0:
+        info = {"addr": os.environ["MASTER_ADDR"], "port": os.environ["MASTER_PORT"]}
+        (folder / "store.tmp").write_text(json.dumps(info))
+        os.replace(folder / "store.tmp", folder / "store.json")
+    deadline = time.monotonic() + 90
+    while not (folder / "go").exists():  # the test inspects the running job, then says go
+        if time.monotonic() > deadline:
+            raise TimeoutError("the test never said go")
+        time.sleep(0.05)
+    print(f"rank {rt.rank} sum {ddpkit.all_reduce_sum([rt.rank + 1.0], rt).item()}")
+"""
+
+INTRUDER = "import ddpkit; ddpkit.init_runtime('gloo', init_timeout_s=10)"
+
+
+def _wait_for(path, proc, timeout_s: float = 60) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not path.exists():
+        if proc.poll() is not None or time.monotonic() > deadline:
+            out, err = proc.communicate(timeout=10) if proc.poll() is not None else ("", "")
+            pytest.fail(f"the job did not start: {out}\n{err}")
+        time.sleep(0.05)
+
+
+def _intruder_env(store: dict, token: str | None) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("DDPKIT_", "TORCHELASTIC"))}
+    env.update(
+        MASTER_ADDR=store["addr"],
+        MASTER_PORT=store["port"],
+        RANK="1",
+        LOCAL_RANK="1",
+        WORLD_SIZE="2",
+        LOCAL_WORLD_SIZE="2",
+    )
+    if token is not None:
+        env["DDPKIT_JOB_TOKEN"] = token
+    return env
+
+
+def test_job_listens_on_loopback_only_and_refuses_a_wrong_token(tmp_path):
+    script = tmp_path / "job.py"
+    script.write_text(textwrap.dedent(JOB))
+    env = {**os.environ, "TEST_DIR": str(tmp_path), "DDPKIT_JOB_TOKEN": TOKEN}
+    job = subprocess.Popen(
+        [sys.executable, "-m", "ddpkit", "run", "-n", "2", str(script)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+        start_new_session=True,
+    )
+    try:
+        _wait_for(tmp_path / "store.json", job)
+        listeners = listening_sockets(descendants(job.pid))
+        # the launcher's rendezvous store, rank 0's job store, and gloo's listeners
+        assert len(listeners) >= 3, listeners
+        assert {address for address, _ in listeners} == {"127.0.0.1"}, listeners
+
+        store = json.loads((tmp_path / "store.json").read_text())
+        for token, expected in (
+            ("f" * 32, "the job token (DDPKIT_JOB_TOKEN/DDPKIT_JOB_TOKEN_FILE) does not match"),
+            (None, "this job requires a job token"),
+        ):
+            intruder = run_cli(["-c", INTRUDER], env=_intruder_env(store, token), timeout_s=60)
+            assert intruder.returncode == 1
+            assert f"refused to join as rank 1: {expected}" in intruder.stderr
+            assert TOKEN not in intruder.output and "f" * 32 not in intruder.output
+
+        (tmp_path / "go").touch()
+        out, err = job.communicate(timeout=90)
+    finally:
+        if job.poll() is None:
+            os.killpg(job.pid, 9)
+            job.communicate()
+    assert job.returncode == 0, out + err
+    assert "rank 0 sum 3.0" in out and "rank 1 sum 3.0" in out  # the job was not disturbed
+    assert TOKEN not in out + err
