@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from ddpkit.launch.failures import FailureRecord
-from ddpkit.launch.launcher import LaunchSpec, summarize_failure, torchrun_argv
+from ddpkit.launch.launcher import LaunchSpec, plan_network, summarize_failure, torchrun_argv
 from tests.helpers import pid_alive, run_cli
 
 PROBE = str(Path(__file__).parent / "scripts" / "probe.py")
@@ -178,9 +178,10 @@ def test_torchrun_argv_passes_user_arguments_through_untouched():
     from torch.distributed import run as torchrun
 
     target = ["-m", "pkg.mod", "--nproc", "2", "--max", "1", "--", "x"]  # torchrun-like flags
-    args = torchrun.parse_args(torchrun_argv(LaunchSpec(target, 3), "127.0.0.1:5", "id"))
-    assert args.rdzv_endpoint == "127.0.0.1:5" and args.nproc_per_node == "3" and args.module
-    assert args.local_addr == "127.0.0.1" and args.rdzv_conf == "is_host=false"
+    spec = LaunchSpec(target, 3)
+    args = torchrun.parse_args(torchrun_argv(spec, plan_network(spec), "id"))
+    assert args.rdzv_endpoint == "127.0.0.1:0" and args.nproc_per_node == "3" and args.module
+    assert args.local_addr == "127.0.0.1" and args.rdzv_conf.startswith("is_host=false,")
     assert args.training_script == "ddpkit.launch.worker"
     assert args.training_script_args == target
 

@@ -4,12 +4,16 @@ from __future__ import annotations
 
 import argparse
 
+from ddpkit.errors import ConfigError
 from ddpkit.launch.launcher import LaunchSpec, launch
 
 EPILOG = """examples:
   ddpkit run -n 2 train.py --epochs 3
   ddpkit run -n 2 -m mypackage.train --lr 0.1
-Equivalent plain torchrun: torchrun --standalone --nproc-per-node 2 train.py --epochs 3
+  # two nodes, on each (node 0 owns 10.0.0.1; same command, its own --node-rank):
+  ddpkit run -n 2 --nnodes 2 --node-rank 0 --rdzv-endpoint 10.0.0.1:29400 train.py
+One node listens on 127.0.0.1 only. Set DDPKIT_JOB_TOKEN (or DDPKIT_JOB_TOKEN_FILE) to the same
+secret on every node to admit only processes that hold it.
 """
 
 
@@ -45,6 +49,34 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         metavar="T",
         help="threads per process (default: OMP_NUM_THREADS if set, else usable cores // N)",
     )
+    parser.add_argument("--nnodes", type=int, default=1, metavar="N", help="number of nodes")
+    parser.add_argument(
+        "--node-rank",
+        type=int,
+        default=0,
+        metavar="R",
+        help="this node's index, 0..N-1; node 0 hosts the rendezvous store",
+    )
+    parser.add_argument(
+        "--rdzv-endpoint",
+        default=None,
+        metavar="HOST:PORT",
+        help="several nodes: the rendezvous store, at an address of node 0 every node reaches",
+    )
+    parser.add_argument(
+        "--rdzv-id",
+        default="ddpkit",
+        metavar="ID",
+        help="several nodes: the job's name in the rendezvous, the same on every node",
+    )
+    for name, what in (("cert", "certificate"), ("key", "private key"), ("ca", "CA bundle")):
+        parser.add_argument(
+            f"--tls-{name}",
+            default=None,
+            metavar="PEM",
+            help=f"gloo TLS: this node's {what} (all three --tls-* or none; refused where the "
+            "torch build lacks gloo TLS, see ddpkit doctor)",
+        )
     parser.add_argument(
         "-m",
         "--module",
@@ -67,10 +99,20 @@ def run(args: argparse.Namespace) -> int:
         target = target[1:]
     if args.module:
         target = ["-m", args.module, *target]
+    tls = (args.tls_cert, args.tls_key, args.tls_ca)
+    if any(tls) and not all(tls):
+        raise ConfigError(
+            "incomplete TLS settings: give all of --tls-cert, --tls-key and --tls-ca, or none."
+        )
     spec = LaunchSpec(
         target=target,
         nproc=args.nproc,
         max_restarts=args.max_restarts,
         omp_num_threads=args.omp_num_threads,
+        nnodes=args.nnodes,
+        node_rank=args.node_rank,
+        rdzv_endpoint=args.rdzv_endpoint,
+        rdzv_id=args.rdzv_id,
+        tls=tls if all(tls) else None,
     )
     return launch(spec)

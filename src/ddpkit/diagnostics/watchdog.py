@@ -104,8 +104,8 @@ class Watchdog:
         store: the job's rendezvous store (shared by all ranks).
         info: this process's rank and world size.
         stall_timeout_s: report a collective that waits longer than this, in seconds.
-        interval_s: heartbeat period, in seconds; a rank counts as silent after ``3 *
-            interval_s + 2`` seconds without one.
+        interval_s: heartbeat period, in seconds; a rank counts as silent after ``2 *
+            interval_s + 1`` seconds without a new one.
         on_stall: called (in the watchdog thread) with the :class:`StallReport`; the default
             prints it, records it and ends the process (exit status 1).
 
@@ -135,6 +135,9 @@ class Watchdog:
         self._current: tuple[int, str, float | None] = (0, "", None)  # seq, op, entered (mono)
         self._answered_dump = self._fired = False
         self._abort_seen_at: float | None = None
+        self._beats: dict[int, dict] = {}  # rank -> its latest heartbeat
+        self._heard_at: dict[int, float] = {}  # rank -> local monotonic time of its last new beat
+        self._store_ok_at = time.monotonic()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="ddpkit-watchdog", daemon=True)
 
@@ -185,6 +188,8 @@ class Watchdog:
             "host": socket.gethostname(),
         }
         self._store.set(f"beat/{self.info.rank}", json.dumps(beat))
+        self._read_beats()
+        self._store_ok_at = time.monotonic()
         if not self._answered_dump and self._store.check(["dump"]):
             self._answered_dump = True
             self._store.set(f"stack/{self.info.rank}", main_thread_stack(self._thread_id))
@@ -205,17 +210,59 @@ class Watchdog:
             headline = self._store.get("abort").decode()
             self._exit(StallError(f"stopped by another rank's watchdog: {headline}"))
 
-    def _read_beat(self, rank: int) -> dict | None:
-        key = f"beat/{rank}"
-        return json.loads(self._store.get(key)) if self._store.check([key]) else None
+    def _read_beats(self) -> None:
+        """Fetch every rank's heartbeat (one round trip once all exist); note which are new.
+
+        Ages are measured on this machine's clock, from when a new beat was first seen, so
+        clocks that differ between nodes do not matter.
+        """
+        keys = [f"beat/{r}" for r in range(self.info.world_size)]
+        if self._store.check(keys):
+            values = self._store.multi_get(keys)
+        else:  # still starting: fetch the ones that exist
+            values = [self._store.get(k) if self._store.check([k]) else None for k in keys]
+        now = time.monotonic()
+        for rank, value in enumerate(values):
+            if value is None:
+                continue
+            beat = json.loads(value)
+            if beat != self._beats.get(rank):
+                self._beats[rank], self._heard_at[rank] = beat, now
+        self._heard_at[self.info.rank] = now
+
+    def silent_s(self, rank: int) -> float | None:
+        """Seconds since a new heartbeat of ``rank`` was seen here (``None``: never seen)."""
+        heard = self._heard_at.get(rank)
+        return None if heard is None else time.monotonic() - heard
+
+    def lost_contact(self) -> str:
+        """What this rank last knew of the others, for an error after a collective timed out:
+        e.g. ``"no heartbeat from rank 0 for 15 s (host-a pid 12); the rendezvous store has
+        not answered for 15 s"``."""
+        silent_after_s = 2 * self.interval_s + 1
+        parts = []
+        for rank in range(self.info.world_size):
+            age = self.silent_s(rank)
+            if rank == self.info.rank or (age is not None and age <= silent_after_s):
+                continue
+            beat = self._beats.get(rank, {})
+            where = f" ({beat['host']} pid {beat['pid']})" if beat else ""
+            when = "ever" if age is None else f"for {age:.0f} s"
+            parts.append(f"no heartbeat from rank {rank} {when}{where}")
+        store_silent_s = time.monotonic() - self._store_ok_at
+        if store_silent_s > silent_after_s:
+            parts.append(f"the rendezvous store has not answered for {store_silent_s:.0f} s")
+        return "; ".join(parts) or "every rank's heartbeat is recent"
 
     def _diagnose(self, seq: int, op: str, waited_s: float) -> StallReport:
         report = StallReport(self.info.rank, self.info.world_size, op, seq, waited_s)
-        silent_after_s = 3 * self.interval_s + 2
+        silent_after_s = 2 * self.interval_s + 1
         for rank in range(self.info.world_size):
             if rank == self.info.rank:
                 continue
-            where, late = describe_peer(self._read_beat(rank), seq, op, silent_after_s)
+            where, late = describe_peer(
+                self._beats.get(rank), self.silent_s(rank), seq, op, silent_after_s
+            )
             report.peers.append(f"rank {rank}: {where}")
             if late:
                 report.late_ranks.append(rank)
@@ -262,15 +309,20 @@ class Watchdog:
         os._exit(1)
 
 
-def describe_peer(beat: dict | None, seq: int, op: str, silent_after_s: float) -> tuple[str, bool]:
-    """Where a peer is relative to collective ``seq`` named ``op``: ``(text, is_late)``."""
-    if beat is None:
+def describe_peer(
+    beat: dict | None, silent_s: float | None, seq: int, op: str, silent_after_s: float
+) -> tuple[str, bool]:
+    """Where a peer is relative to collective ``seq`` named ``op``: ``(text, is_late)``.
+
+    ``silent_s``: seconds since this rank last saw a new heartbeat from the peer.
+    """
+    if beat is None or silent_s is None:
         return "no heartbeat yet (not started, or started without the watchdog)", True
-    age_s = time.time() - beat["time_s"]
     place = f"collective #{beat['seq']} ({beat['op'] or 'none'})"
-    if age_s > silent_after_s:
+    if silent_s > silent_after_s:
         return (
-            f"silent for {age_s:.0f} s, last at {place}: dead, or blocked while holding the GIL",
+            f"silent for {silent_s:.0f} s ({beat['host']} pid {beat['pid']}), last at {place}: "
+            "dead, unreachable, or blocked while holding the GIL",
             True,
         )
     if beat["seq"] < seq or (beat["seq"] == seq and not beat["inside"] and beat["op"] != op):

@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import datetime
 import os
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -112,13 +113,39 @@ class Runtime:
     def is_rank_zero(self) -> bool:
         return self.info.is_rank_zero
 
-    def watch(self, op: str) -> contextlib.AbstractContextManager[None]:
-        """Mark a collective for the watchdog (a no-op context when the watchdog is off).
+    @contextlib.contextmanager
+    def watch(self, op: str) -> Iterator[None]:
+        """Run one collective the ranks must all reach: marked for the watchdog, and a peer
+        that stops answering turned into an error that says what this rank last knew of it.
 
-        Wrap every collective the ranks must all reach, e.g. ``with runtime.watch("backward"):
-        loss.backward()`` around DDP's gradient all-reduce.
+        Wrap every such call, e.g. ``with runtime.watch("backward"): loss.backward()`` around
+        DDP's gradient all-reduce.
+
+        Raises:
+            DistributedError: the collective failed because a peer stopped answering (gloo's
+                timeout or a closed connection); the message names the ranks not heard from.
         """
-        return self.watchdog.watch(op) if self.watchdog is not None else _NULL_CONTEXT
+        with self.watchdog.watch(op) if self.watchdog is not None else _NULL_CONTEXT:
+            try:
+                yield
+            except RuntimeError as exc:
+                if not any(marker in str(exc) for marker in _LOST_PEER):
+                    raise
+                raise self._lost_peer_error(op, exc) from exc
+
+    def _lost_peer_error(self, op: str, exc: RuntimeError) -> DistributedError:
+        detail = str(exc).strip().splitlines()[0].split("] ", 1)[-1]  # drop gloo's [file:line]
+        known = (
+            self.watchdog.lost_contact()
+            if self.watchdog is not None
+            else "turn on the watchdog (stall_timeout_s, ddpkit train --stall-timeout) to learn "
+            "which rank went silent"
+        )
+        return DistributedError(
+            f"{op} failed on rank {self.rank}/{self.world_size}: a peer stopped answering "
+            f"({detail}). {known[0].upper()}{known[1:]}. A peer died or hung, or the network "
+            "between nodes went down; see the other ranks' output."
+        )
 
     def close(self) -> None:
         """Destroy every process group this process created. Idempotent; safe on error paths.
@@ -147,6 +174,13 @@ class Runtime:
 
 
 _NULL_CONTEXT = contextlib.nullcontext()
+# gloo's words for a peer that is gone or silent
+_LOST_PEER = (
+    "Timed out waiting",
+    "Connection closed by peer",
+    "Connection reset by peer",
+    "Broken pipe",
+)
 
 
 def _check_timeouts(**timeouts_s: float | None) -> None:

@@ -14,10 +14,13 @@ What ddpkit adds over calling torchrun yourself:
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import shutil
 import sys
 import tempfile
+import threading
+import time
 import uuid
 from dataclasses import dataclass
 
@@ -25,9 +28,17 @@ import torch.distributed as dist
 
 from ddpkit.errors import ConfigError
 from ddpkit.launch.failures import LAUNCHER_PID_ENV, RUN_DIR_ENV, FailureRecord, read_records
-from ddpkit.security.bind import listening_socket
+from ddpkit.security.bind import (
+    MULTI_NODE_ENV,
+    check_store_address,
+    interface_of,
+    listening_socket,
+    local_address_towards,
+)
 
 WORKER_MODULE = "ddpkit.launch.worker"
+AGENT_STORE_TIMEOUT_S = 10
+AGENT_STUCK_S = 2 * AGENT_STORE_TIMEOUT_S
 
 
 @dataclass(frozen=True)
@@ -40,12 +51,27 @@ class LaunchSpec:
         max_restarts: how many times torchrun restarts the whole group after a failure.
         omp_num_threads: threads per process; ``None`` keeps an ``OMP_NUM_THREADS`` already set,
             else usable cores // nproc (at least 1).
+        nnodes: number of nodes (machines); each runs ``ddpkit run`` with the same settings.
+        node_rank: this node's index; node 0 hosts the rendezvous store at ``rdzv_endpoint``.
+        rdzv_endpoint: ``HOST:PORT`` of the rendezvous store (several nodes only): an address
+            of node 0 that every node can reach.
+        rdzv_id: the job's name in the rendezvous (the same on every node).
+        tls: ``(cert, key, ca)`` PEM files for gloo's TLS transport, or ``None``.
     """
 
     target: list[str]
     nproc: int
     max_restarts: int = 0
     omp_num_threads: int | None = None
+    nnodes: int = 1
+    node_rank: int = 0
+    rdzv_endpoint: str | None = None
+    rdzv_id: str = "ddpkit"
+    tls: tuple[str, str, str] | None = None
+
+    @property
+    def world_size(self) -> int:
+        return self.nproc * self.nnodes
 
 
 def _usable_cores() -> int:
@@ -77,6 +103,7 @@ def validate_spec(spec: LaunchSpec) -> None:
         problems.append(f"max_restarts={spec.max_restarts} must be >= 0")
     if spec.omp_num_threads is not None and spec.omp_num_threads < 1:
         problems.append(f"omp_num_threads={spec.omp_num_threads} must be >= 1")
+    problems += _node_problems(spec)
     if not spec.target or spec.target == ["-m"]:
         problems.append("no script given (ddpkit run -n 2 train.py [args], or -m package.module)")
     elif spec.target[0] == "-m":
@@ -90,19 +117,122 @@ def validate_spec(spec: LaunchSpec) -> None:
         raise ConfigError(f"invalid launch: {'; '.join(problems)}.")
 
 
-def torchrun_argv(spec: LaunchSpec, rdzv_endpoint: str, run_id: str) -> list[str]:
+def _node_problems(spec: LaunchSpec) -> list[str]:
+    problems = []
+    if spec.nnodes < 1:
+        problems.append(f"nnodes={spec.nnodes} must be >= 1")
+    elif not 0 <= spec.node_rank < spec.nnodes:
+        problems.append(f"node_rank={spec.node_rank} must be in 0..{spec.nnodes - 1}")
+    if spec.nnodes > 1 and not spec.rdzv_endpoint:
+        problems.append("several nodes need --rdzv-endpoint HOST:PORT (an address of node 0)")
+    if spec.rdzv_endpoint and spec.nnodes == 1:
+        problems.append("--rdzv-endpoint is for several nodes (--nnodes N > 1)")
+    if spec.rdzv_endpoint:
+        host, _, port = spec.rdzv_endpoint.rpartition(":")
+        if not host or not port.isdigit() or not 0 < int(port) < 65536:
+            problems.append(f"rdzv_endpoint={spec.rdzv_endpoint!r} must be HOST:PORT")
+    for path in spec.tls or ():
+        if not os.path.isfile(path):
+            problems.append(f"TLS file {path!r} does not exist")
+    return problems
+
+
+@dataclass(frozen=True)
+class NetworkPlan:
+    """Where this node's listeners bind and what it advertises.
+
+    Attributes:
+        store_address: the address this node's launcher hosts the rendezvous store on, or
+            ``None`` when another node hosts it.
+        endpoint_host, endpoint_port: the rendezvous store (port 0: picked when hosted).
+        local_address: the address this node advertises to the others (its workers' gloo
+            listeners and, on the node of rank 0, the job's store bind to it).
+        ifname: the interface holding ``local_address`` (``GLOO_SOCKET_IFNAME``).
+    """
+
+    store_address: str | None
+    endpoint_host: str
+    endpoint_port: int
+    local_address: str
+    ifname: str
+
+
+def plan_network(spec: LaunchSpec) -> NetworkPlan:
+    """Work out the addresses a user would otherwise set by hand.
+
+    One node: everything on 127.0.0.1 / ``lo``. Several nodes: node 0 hosts the store on the
+    endpoint's address (which must be one of its own); every node advertises the address it
+    uses to reach the endpoint (so a hostname resolving to 127.0.0.1 does no harm) and pins
+    gloo to the interface that holds it.
+
+    Raises:
+        ConfigError: node 0 does not own the endpoint address; no interface holds the address
+            this node would advertise.
+    """
+    if spec.nnodes == 1:
+        return NetworkPlan("127.0.0.1", "127.0.0.1", 0, "127.0.0.1", "lo")
+    host, _, port = spec.rdzv_endpoint.rpartition(":")
+    address = check_store_address(host, multi_node=True)
+    if spec.node_rank == 0 and interface_of(address) is None:
+        raise ConfigError(
+            f"node rank 0 hosts the rendezvous store, but --rdzv-endpoint {host} ({address}) is "
+            "not an address of this machine. Run node rank 0 on that host, or give one of its "
+            "addresses."
+        )
+    local = address if spec.node_rank == 0 else local_address_towards(address, int(port))
+    ifname = interface_of(local)
+    if ifname is None:
+        raise ConfigError(
+            f"no network interface holds {local}, the address this node uses to reach {host}. "
+            "Check the routing to the rendezvous endpoint."
+        )
+    return NetworkPlan(address if spec.node_rank == 0 else None, address, int(port), local, ifname)
+
+
+def tls_environment(spec: LaunchSpec) -> dict[str, str]:
+    """The gloo variables that turn its TLS transport on, after checking this build has it.
+
+    Raises:
+        ConfigError: TLS files given, but this torch build's gloo has no TLS transport.
+    """
+    if spec.tls is None:
+        return {}
+    from ddpkit.diagnostics.doctor import check_gloo_tls
+
+    if not check_gloo_tls().ok:
+        raise ConfigError(
+            "cannot encrypt: --tls-cert/--tls-key/--tls-ca given, but this torch build's gloo "
+            'has no TLS transport ("unsupported gloo device"; the stock Linux wheels lack it). '
+            "Use an encrypted network layer between nodes (WireGuard or IPsec) and drop the "
+            "--tls-* flags, or use a torch built with gloo TLS."
+        )
+    cert, key, ca = spec.tls
+    return {
+        "GLOO_DEVICE_TRANSPORT": "TCP_TLS",
+        "GLOO_DEVICE_TRANSPORT_TCP_TLS_CERT": cert,
+        "GLOO_DEVICE_TRANSPORT_TCP_TLS_PKEY": key,
+        "GLOO_DEVICE_TRANSPORT_TCP_TLS_CA_FILE": ca,
+    }
+
+
+def torchrun_argv(spec: LaunchSpec, plan: NetworkPlan, run_id: str) -> list[str]:
     """The ``torch.distributed.run`` command line for ``spec`` (without the program name).
 
-    ``rdzv_endpoint`` (``host:port``) is a TCPStore the caller already hosts: torchrun's agent
-    only connects to it (``is_host=false``), and advertises ``127.0.0.1`` to the workers.
+    The rendezvous store at the plan's endpoint is one a ddpkit launcher already hosts (node
+    0's, listening on one address only): torchrun's agent only connects to it
+    (``is_host=false``), and advertises ``plan.local_address`` to the workers.
     """
     return [
-        "--nnodes=1",
+        f"--nnodes={spec.nnodes}",
+        f"--node-rank={spec.node_rank}",
         "--rdzv-backend=c10d",
-        f"--rdzv-endpoint={rdzv_endpoint}",
+        f"--rdzv-endpoint={plan.endpoint_host}:{plan.endpoint_port}",
         f"--rdzv-id={run_id}",
-        "--rdzv-conf=is_host=false",
-        "--local-addr=127.0.0.1",
+        # is_host=false: the store is ours, torchrun only connects. read_timeout bounds each of
+        # the agent's store calls (torch's default, 60 s, kept a node whose link went down
+        # waiting minutes after its workers had failed).
+        f"--rdzv-conf=is_host=false,read_timeout={AGENT_STORE_TIMEOUT_S}",
+        f"--local-addr={plan.local_address}",
         f"--nproc-per-node={spec.nproc}",
         f"--max-restarts={spec.max_restarts}",
         "--monitor-interval=0.1",
@@ -179,21 +309,25 @@ def launch(spec: LaunchSpec) -> int:
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
+    plan = plan_network(spec)
+    tls_env = tls_environment(spec)
     run_dir = tempfile.mkdtemp(prefix="ddpkit-run-")
     saved = dict(os.environ)
-    rdzv_store = host_rendezvous_store("127.0.0.1")
-    # Workers: no shared agent store (it would listen on every interface); rank 0 serves the
-    # job's store on 127.0.0.1 (ddpkit's make_store), and gloo binds the loopback interface.
-    os.environ["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
-    os.environ["GLOO_SOCKET_IFNAME"] = "lo"
-    if spec.omp_num_threads is not None:
-        os.environ["OMP_NUM_THREADS"] = str(spec.omp_num_threads)
-    else:
-        os.environ.setdefault("OMP_NUM_THREADS", str(max(1, _usable_cores() // spec.nproc)))
-    os.environ[RUN_DIR_ENV] = run_dir
-    os.environ[LAUNCHER_PID_ENV] = str(os.getpid())
+    rdzv_store = None
+    if plan.store_address is not None:
+        rdzv_store = host_rendezvous_store(plan.store_address, plan.endpoint_port)
+        plan = dataclasses.replace(plan, endpoint_port=rdzv_store.port)
+    os.environ.update({**_worker_environment(spec, plan, run_dir), **tls_env})
+    if spec.nnodes > 1 and spec.max_restarts == 0:
+        threading.Thread(
+            target=_stop_if_agent_stuck,
+            args=(run_dir, spec),
+            name="ddpkit-agent-guard",
+            daemon=True,
+        ).start()
     try:
-        argv = torchrun_argv(spec, f"127.0.0.1:{rdzv_store.port}", uuid.uuid4().hex)
+        run_id = uuid.uuid4().hex if spec.nnodes == 1 else spec.rdzv_id
+        argv = torchrun_argv(spec, plan, run_id)
         torchrun.run(torchrun.parse_args(argv))
         return 0
     except ChildFailedError as exc:
@@ -217,13 +351,66 @@ def launch(spec: LaunchSpec) -> int:
         del rdzv_store
 
 
-def host_rendezvous_store(address: str) -> dist.TCPStore:
-    """A TCPStore for torchrun's c10d rendezvous, listening on ``address`` only (port: OS pick).
+def _worker_environment(spec: LaunchSpec, plan: NetworkPlan, run_dir: str) -> dict[str, str]:
+    """Variables every worker inherits: where the stores and gloo bind, threads, bookkeeping.
+
+    No shared agent store (torchrun's listens on every interface): rank 0 serves the job's
+    store on its node's address only (ddpkit's ``make_store``), and gloo binds that interface.
+    """
+    env = {
+        "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1",
+        "GLOO_SOCKET_IFNAME": plan.ifname,
+        RUN_DIR_ENV: run_dir,
+        LAUNCHER_PID_ENV: str(os.getpid()),
+        "OMP_NUM_THREADS": os.environ.get(
+            "OMP_NUM_THREADS", str(max(1, _usable_cores() // spec.nproc))
+        ),
+    }
+    if spec.omp_num_threads is not None:
+        env["OMP_NUM_THREADS"] = str(spec.omp_num_threads)
+    if spec.nnodes > 1:
+        env[MULTI_NODE_ENV] = "1"
+    return env
+
+
+def _stop_if_agent_stuck(run_dir: str, spec: LaunchSpec, poll_s: float = 0.5) -> None:
+    """End this launcher when a worker has failed but torchrun's agent does not return.
+
+    On several nodes the agent keeps polling the rendezvous store on node 0; when the link to
+    node 0 is down, each call waits out its timeout and is retried, so the agent never reports
+    the failure its worker already recorded. After ``AGENT_STUCK_S`` the launcher prints the
+    summary and exits 1; its workers die with it (``PR_SET_PDEATHSIG``). Armed only without
+    restarts, where a failure is always final.
+    """
+    first_seen = None
+    while True:
+        time.sleep(poll_s)
+        records = read_records(run_dir)
+        if not records:
+            continue
+        first_seen = first_seen or time.monotonic()
+        if time.monotonic() - first_seen < AGENT_STUCK_S:
+            continue
+        for line in summarize_failure(records, {}, spec)[:-1]:
+            print(line, file=sys.stderr)
+        print(
+            f"ddpkit run: job FAILED; torchrun's agent did not finish within {AGENT_STUCK_S} s "
+            f"of the failure (the rendezvous store at {spec.rdzv_endpoint} does not answer: "
+            "node 0 or the network to it is down); this node's processes stopped.",
+            file=sys.stderr,
+            flush=True,
+        )
+        os._exit(1)
+
+
+def host_rendezvous_store(address: str, port: int = 0) -> dist.TCPStore:
+    """A TCPStore for torchrun's c10d rendezvous, listening on ``address`` only (port 0: the OS
+    picks one).
 
     Raises:
-        ConfigError: ``address`` is not one of this machine's.
+        ConfigError: ``address`` is not one of this machine's; the port is in use.
     """
-    listener = listening_socket(address, 0)
+    listener = listening_socket(address, port)
     port = listener.getsockname()[1]
     return dist.TCPStore(
         address,
