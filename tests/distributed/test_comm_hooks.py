@@ -135,6 +135,51 @@ def _bucket_rank(runtime) -> dict:
     return out
 
 
+def _big_net() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(512, 600), nn.ReLU(), nn.Linear(600, 600))  # 2.55 MiB
+
+
+def _powersgd_buckets(runtime) -> dict:
+    """PowerSGD on a model whose gradients need two buckets at DDP's default caps."""
+    out = {}
+    for name in ("none", "powersgd"):
+        stats = CommStats()
+        model = ddpkit.wrap_model(
+            _big_net(), runtime, "ddp", grad_compression=name, comm_stats=stats,
+            powersgd_start_step=2,
+        )  # fmt: skip
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+        for step in range(1, 5):  # two plain steps, then two compressed ones
+            optimizer.zero_grad()
+            x = torch.randn(8, 512, generator=torch.Generator().manual_seed(runtime.rank + step))
+            model(x).square().mean().backward()
+            optimizer.step()
+        out[name] = (stats.num_buckets, [p.detach().clone() for p in model.parameters()])
+    ddpkit.barrier(runtime)  # see _compression_rank
+    return out
+
+
+def test_powersgd_on_gloo_gets_one_bucket():
+    results = run_distributed(_powersgd_buckets, 2, timeout_s=120)
+    for result in results:
+        assert result["none"][0] == 2  # DDP's first bucket (1 MiB) holds the last layer only
+        assert result["powersgd"][0] == 1  # ddpkit's cap: P/Q all-reduces cannot interleave
+        for mine, rank0 in zip(result["powersgd"][1], results[0]["powersgd"][1], strict=True):
+            assert torch.equal(mine, rank0)
+
+
+def test_powersgd_with_a_small_explicit_bucket_cap_is_refused():
+    from ddpkit.distributed.env import ProcessInfo
+    from ddpkit.distributed.process_group import Runtime
+    from ddpkit.parallel.comm import powersgd_bucket_cap_mb
+
+    gloo = Runtime(ProcessInfo(), "gloo", torch.device("cpu"))
+    with pytest.raises(ddpkit.ConfigError, match="needs every gradient in one DDP bucket"):
+        powersgd_bucket_cap_mb(_big_net(), gloo, {"bucket_cap_mb": 1})
+    assert powersgd_bucket_cap_mb(_big_net(), gloo, {}) == {"bucket_cap_mb": 4}
+
+
 def test_bucket_cap_and_gradient_as_bucket_view():
     results = run_distributed(_bucket_rank, 2, timeout_s=120)
     numel = sum(int(torch.Size(s).numel()) for s in SHAPES)

@@ -9,6 +9,11 @@ communication hook (torch allows exactly one per model, before the first backwar
   NCCL 2.10+ are present (a check on the hook's *name*), although gloo all-reduces bfloat16
   correctly; on gloo ddpkit registers :func:`_cast_wrapper`, the same cast-allreduce-cast;
 - ``powersgd``: torch's ``powerSGD_hook`` with ``PowerSGDState`` (low-rank, error feedback).
+  On gloo it needs all gradients in one DDP bucket (:func:`powersgd_bucket_cap_mb`): the hook
+  issues its P and Q all-reduces from future callbacks, which gloo runs on its worker threads,
+  so with several buckets the ranks can issue them in different orders ("Received data size
+  doesn't match expected size ... collective mismatch", seen with the MNIST CNN's two buckets).
+  With nccl the callbacks run inline, in order.
 
 Every hook is wrapped so that :class:`CommStats` counts the payload bytes this rank hands to
 all-reduce: the bucket's bytes for plain and cast hooks (after the cast), and for PowerSGD the
@@ -21,16 +26,19 @@ The hooks carry no type annotations on purpose: DDP checks the annotations, and 
 annotations of ``from __future__ import annotations`` would fail that check.
 """
 
+import math
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
 from torch.nn.parallel import DistributedDataParallel
 
 from ddpkit.distributed.process_group import Runtime
 from ddpkit.errors import ConfigError
+from ddpkit.log import get_logger
 
 GRAD_COMPRESSIONS = ("none", "fp16", "bf16", "powersgd")
 
@@ -128,6 +136,37 @@ def _counting_powersgd_hook(state, bucket):
         return future
     state.stats.add_bucket(bucket, num_bytes)
     return powerSGD_hook.powerSGD_hook(inner, bucket)
+
+
+def powersgd_bucket_cap_mb(
+    model: nn.Module, runtime: Runtime, ddp_kwargs: dict[str, Any]
+) -> dict[str, Any]:
+    """``ddp_kwargs`` with a ``bucket_cap_mb`` that puts every gradient in one bucket (gloo).
+
+    Unchanged on nccl. Without ``bucket_cap_mb`` it sets one just above the gradients' size.
+
+    Raises:
+        ConfigError: an explicit ``bucket_cap_mb`` too small for one bucket on gloo.
+    """
+    if runtime.backend == "nccl":
+        return ddp_kwargs
+    grad_mib = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
+    grad_mib /= 2**20
+    given = ddp_kwargs.get("bucket_cap_mb")
+    if given is None:
+        cap_mb = math.ceil(grad_mib) + 1
+        get_logger("parallel").info(
+            "PowerSGD on gloo: bucket_cap_mb=%d, so all gradients share one DDP bucket", cap_mb
+        )
+        return {**ddp_kwargs, "bucket_cap_mb": cap_mb}
+    if given <= grad_mib:
+        raise ConfigError(
+            f"grad_compression='powersgd' on gloo needs every gradient in one DDP bucket: "
+            f"bucket_cap_mb={given} but the gradients take {grad_mib:.2f} MiB. torch's PowerSGD "
+            "all-reduces from gloo's callback threads, so with several buckets the ranks can "
+            "issue them in different orders. Drop bucket_cap_mb (ddpkit then picks one bucket)."
+        )
+    return ddp_kwargs
 
 
 def check_compression(compression: str, powersgd_rank: int, powersgd_start_step: int) -> None:

@@ -22,7 +22,12 @@ from torch.nn.parallel import DataParallel, DistributedDataParallel
 
 from ddpkit.distributed.process_group import Runtime
 from ddpkit.errors import ConfigError, DistributedError
-from ddpkit.parallel.comm import CommStats, check_compression, register_grad_hook
+from ddpkit.parallel.comm import (
+    CommStats,
+    check_compression,
+    powersgd_bucket_cap_mb,
+    register_grad_hook,
+)
 
 STRATEGIES = ("auto", "single", "ddp", "dp")
 _WRAPPERS = (DistributedDataParallel, DataParallel)
@@ -105,6 +110,8 @@ def wrap_model(
 
         model = convert_sync_batchnorm(model, runtime)
     model = model.to(runtime.device)
+    if grad_compression == "powersgd":
+        ddp_kwargs = powersgd_bucket_cap_mb(model, runtime, ddp_kwargs)
     device_ids = [runtime.device.index] if runtime.device.type == "cuda" else None
     ddp_model = DistributedDataParallel(
         model, device_ids=device_ids, process_group=runtime.process_group, **ddp_kwargs
