@@ -27,7 +27,7 @@ annotations of ``from __future__ import annotations`` would fail that check.
 """
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -62,7 +62,7 @@ class CommStats:
     num_grad_syncs: int = 0
     num_averages: int = 0
     num_buckets: int = 0
-    _buckets_so_far: int = 0
+    _buckets_so_far: int = field(default=0, repr=False)
 
     @property
     def total_bytes(self) -> int:
@@ -126,16 +126,14 @@ def _cast_wrapper(dtype: torch.dtype, hook):
 def _counting_powersgd_hook(state, bucket):
     """torch's ``powerSGD_hook``, counting the elements it sends for this bucket."""
     inner: powerSGD_hook.PowerSGDState = state.inner
-    if inner.iter < inner.start_powerSGD_iter:  # vanilla all-reduce of the whole bucket
-        num_bytes = _buffer_bytes(bucket)
-    else:
-        before = inner.total_numel_after_compression
-        future = powerSGD_hook.powerSGD_hook(inner, bucket)
-        numel = inner.total_numel_after_compression - before
-        state.stats.add_bucket(bucket, numel * bucket.buffer().element_size())
-        return future
-    state.stats.add_bucket(bucket, num_bytes)
-    return powerSGD_hook.powerSGD_hook(inner, bucket)
+    if inner.iter < inner.start_powerSGD_iter:  # still a plain all-reduce of the whole bucket
+        state.stats.add_bucket(bucket, _buffer_bytes(bucket))
+        return powerSGD_hook.powerSGD_hook(inner, bucket)
+    numel_before = inner.total_numel_after_compression  # P, Q and uncompressed tensors
+    future = powerSGD_hook.powerSGD_hook(inner, bucket)
+    numel = inner.total_numel_after_compression - numel_before
+    state.stats.add_bucket(bucket, numel * bucket.buffer().element_size())
+    return future
 
 
 def powersgd_bucket_cap_mb(
