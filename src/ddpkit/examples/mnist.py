@@ -296,8 +296,7 @@ def train_mnist(config: TrainConfig, runtime: Runtime, source: DataSource) -> di
         training time; after a resume, of the resumed part), wall_s, dataset,
         comm_bytes_per_step (gradient plus local-SGD averaging payload bytes each rank handed
         to all-reduce per optimizer step, counted by ddpkit's DDP comm hook; 0 for a single
-        process, null for dp). Non-finite values
-        (a diverged run) are written as ``null``.
+        process, null for dp). Non-finite values (a diverged run) are written as ``null``.
     """
     log = get_logger("train")
     start = time.perf_counter()
