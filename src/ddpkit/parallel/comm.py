@@ -13,7 +13,10 @@ communication hook (torch allows exactly one per model, before the first backwar
   issues its P and Q all-reduces from future callbacks, which gloo runs on its worker threads,
   so with several buckets the ranks can issue them in different orders ("Received data size
   doesn't match expected size ... collective mismatch", seen with the MNIST CNN's two buckets).
-  With nccl the callbacks run inline, in order.
+  On nccl the buckets are left as configured (not checked here: no GPU).
+  The hook's callbacks also hold the process group; destroying the group right after the
+  last backward can leave a gloo thread to free it, which aborts ("Resource deadlock
+  avoided"). Any blocking collective in between (evaluation, a barrier) avoids that.
 
 Every hook is wrapped so that :class:`CommStats` counts the payload bytes this rank hands to
 all-reduce: the bucket's bytes for plain and cast hooks (after the cast), and for PowerSGD the
