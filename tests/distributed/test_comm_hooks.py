@@ -113,12 +113,13 @@ def test_compression_cuts_bytes_by_the_expected_factor():
 def _bucket_rank(runtime) -> dict:
     out = {}
     for name, kwargs in {
+        "builtin": {"comm_stats": None},  # no hook: DDP's own all-reduce
         "default": {},
         "tiny_cap": {"bucket_cap_mb": 1e-6},  # every tensor fills a bucket by itself
         "view": {"gradient_as_bucket_view": True},
     }.items():
         stats = CommStats()
-        model = ddpkit.wrap_model(_net(), runtime, "ddp", comm_stats=stats, **kwargs)
+        model = ddpkit.wrap_model(_net(), runtime, "ddp", **{"comm_stats": stats, **kwargs})
         optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
         for step in range(1, 3):  # DDP rebuilds its buckets after the first pass
             optimizer.zero_grad()
@@ -191,7 +192,8 @@ def test_bucket_cap_and_gradient_as_bucket_view():
         # gradients as views of the one bucket: one storage; without: one per parameter
         assert result["view"]["grad_storages"] == 1
         assert result["default"]["grad_storages"] == len(SHAPES)
-        for name in ("tiny_cap", "view"):
+        assert result["builtin"]["bytes"] == 0  # nothing registered, nothing counted
+        for name in ("builtin", "tiny_cap", "view"):  # ddpkit's counting hook changes nothing
             for a, b in zip(result[name]["params"], result["default"]["params"], strict=True):
                 assert torch.equal(a, b), name
 
