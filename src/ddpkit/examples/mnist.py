@@ -167,7 +167,7 @@ def build_model_and_optimizer(
 
 def resume_settings(config: TrainConfig) -> dict:
     """The settings a resumed run must share with its checkpoint (saved in the manifest)."""
-    keys = ("epochs", "batch_size", "lr", "optimizer", "seed", "max_steps")
+    keys = ("epochs", "batch_size", "lr", "optimizer", "seed", "max_steps", "sync_every")
     return {key: getattr(config, key) for key in keys}
 
 
