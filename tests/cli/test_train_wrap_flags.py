@@ -101,3 +101,16 @@ def test_local_sgd_job_reports_averaging_bytes_per_step(tmp_path):
     record = json.loads((out / "metrics.jsonl").read_text().splitlines()[0])
     assert record["comm_bytes_per_step"] == summary["comm_bytes_per_step"]
     assert summary["config"]["sync_every"] == 4
+
+
+def test_resume_with_another_local_sgd_period_is_refused(tmp_path, capsys):
+    from ddpkit.checkpoint.io import write_checkpoint
+    from ddpkit.examples.mnist import TrainConfig, resume_settings
+
+    out = tmp_path / "run"
+    settings = {**resume_settings(TrainConfig(sync_every=2)), "dataset": "digits"}
+    write_checkpoint(out / "checkpoints", 4, {"step": 4}, {"world_size": 2, "extra": settings})
+    argv = ["train", "--dataset", "digits", "--nproc", "2", "--sync-every", "4"]
+    code, err = _run([*argv, "--resume", "auto", "--output-dir", str(out)], capsys)
+    assert code == 2 and len(err.strip().splitlines()) == 1, err
+    assert "sync_every 2 (this job: 4)" in err
