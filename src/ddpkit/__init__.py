@@ -28,6 +28,9 @@ from ddpkit.distributed.sampler import (
 )
 from ddpkit.errors import ConfigError, DataError, DdpkitError, DistributedError
 from ddpkit.log import configure_logging, get_logger
+from ddpkit.parallel.comm import CommStats
+from ddpkit.parallel.local_sgd import enable_local_sgd
+from ddpkit.parallel.syncbn import convert_sync_batchnorm
 from ddpkit.parallel.wrap import model_state_dict, unwrap_model, wrap_model
 from ddpkit.training.evaluate import evaluate
 
@@ -35,6 +38,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "CheckpointManager",
+    "CommStats",
     "ConfigError",
     "DataError",
     "DdpkitError",
@@ -49,7 +53,9 @@ __all__ = [
     "build_eval_loader",
     "build_train_loader",
     "configure_logging",
+    "convert_sync_batchnorm",
     "detect_process_info",
+    "enable_local_sgd",
     "evaluate",
     "get_logger",
     "init_runtime",

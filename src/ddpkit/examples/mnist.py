@@ -30,6 +30,8 @@ from ddpkit.errors import ConfigError
 from ddpkit.examples.mnist_data import DataSource
 from ddpkit.guards.nonfinite import NonFiniteError, NonFiniteGuard, check_replicas
 from ddpkit.log import get_logger
+from ddpkit.parallel.comm import CommStats
+from ddpkit.parallel.local_sgd import enable_local_sgd
 from ddpkit.parallel.wrap import model_state_dict, wrap_model
 from ddpkit.training.evaluate import evaluate
 
@@ -79,7 +81,22 @@ class TrainConfig:
             rank skips that step) or ``off`` (no check, the default) for a NaN/Inf loss or
             gradient.
         check_replicas_every: compare parameter checksums across ranks every this many steps
-            (0 = never); raises naming the rank and parameters that differ.
+            (0 = never); raises naming the rank and parameters that differ. With
+            ``sync_every`` > 1 it must be a multiple of it (checked right after averaging).
+        strategy: ``auto`` (ddp for several processes, else single), ``single``, ``ddp`` or
+            ``dp`` (DataParallel over 2+ GPUs in one process; ddp is recommended).
+        bucket_cap_mb: DDP gradient bucket size in MiB (``None``: torch's default, 25 MiB
+            with a 1 MiB first bucket).
+        grad_as_bucket_view: gradients are views into DDP's buckets (saves one copy and
+            the memory of the gradients).
+        grad_compression: ``none``, ``fp16``, ``bf16`` or ``powersgd``: how DDP all-reduces
+            gradients (torch's comm hooks).
+        powersgd_rank: rank of PowerSGD's low-rank factors.
+        powersgd_start_step: optimizer steps with plain all-reduce before PowerSGD starts.
+        sync_every: H; 1 = all-reduce gradients every step (plain DDP); H >= 2 = local SGD,
+            parameters averaged every H steps and at the end of each epoch.
+        sync_batchnorm: convert BatchNorm layers to synchronised ones (the MNIST CNN has none:
+            a no-op, with a log line).
     """
 
     epochs: int = 1
@@ -93,6 +110,15 @@ class TrainConfig:
     resume: str = ""
     on_nonfinite: str = "off"
     check_replicas_every: int = 0
+    # wrap-time options: strategy, gradient communication, local SGD, sync batch norm
+    strategy: str = "auto"
+    bucket_cap_mb: float | None = None
+    grad_as_bucket_view: bool = False
+    grad_compression: str = "none"
+    powersgd_rank: int = 1
+    powersgd_start_step: int = 10
+    sync_every: int = 1
+    sync_batchnorm: bool = False
 
 
 def build_optimizer(name: str, params, lr: float) -> torch.optim.Optimizer:
@@ -101,9 +127,47 @@ def build_optimizer(name: str, params, lr: float) -> torch.optim.Optimizer:
     return (torch.optim.AdamW if name == "adamw" else torch.optim.Adam)(params, lr=lr)
 
 
+def build_model_and_optimizer(
+    config: TrainConfig, runtime: Runtime
+) -> tuple[nn.Module, torch.optim.Optimizer, torch.optim.Optimizer, CommStats | None]:
+    """The wrapped MNIST CNN and its optimizer, with the config's wrap-time options.
+
+    Collective: call on every rank (DDP broadcasts rank 0's parameters).
+
+    Returns:
+        ``(model, optimizer, inner_optimizer, comm_stats)``: ``optimizer`` is what the loop
+        steps (a ``PostLocalSGDOptimizer`` with ``sync_every`` > 1), ``inner_optimizer`` the
+        one an LR schedule drives; ``comm_stats`` counts gradient and averaging bytes (``None``
+        for ``dp``, which has no DDP hook).
+    """
+    ddp_kwargs: dict = {}
+    if config.bucket_cap_mb is not None:
+        ddp_kwargs["bucket_cap_mb"] = config.bucket_cap_mb
+    if config.grad_as_bucket_view:
+        ddp_kwargs["gradient_as_bucket_view"] = True
+    stats = None if config.strategy == "dp" else CommStats()
+    local_sgd = config.sync_every > 1
+    model = wrap_model(
+        MnistCNN(),
+        runtime,
+        config.strategy,
+        sync_batchnorm=config.sync_batchnorm,
+        grad_compression=config.grad_compression,
+        comm_stats=None if local_sgd else stats,
+        powersgd_rank=config.powersgd_rank,
+        powersgd_start_step=config.powersgd_start_step,
+        **ddp_kwargs,
+    )  # DDP when world_size > 1; replicas start equal
+    inner = build_optimizer(config.optimizer, model.parameters(), config.lr)
+    optimizer = inner
+    if local_sgd:
+        optimizer = enable_local_sgd(model, inner, runtime, config.sync_every, stats)
+    return model, optimizer, inner, stats
+
+
 def resume_settings(config: TrainConfig) -> dict:
     """The settings a resumed run must share with its checkpoint (saved in the manifest)."""
-    keys = ("epochs", "batch_size", "lr", "optimizer", "seed", "max_steps")
+    keys = ("epochs", "batch_size", "lr", "optimizer", "seed", "max_steps", "sync_every")
     return {key: getattr(config, key) for key in keys}
 
 
@@ -202,6 +266,15 @@ def _reset_outputs(output_dir: Path, runtime: Runtime, completed_epochs: int | N
     barrier(runtime)
 
 
+def _comm_bytes(stats: CommStats | None) -> float:
+    return math.nan if stats is None else float(stats.total_bytes)
+
+
+def _per_step(num_bytes: float, num_steps: int) -> float:
+    """Payload bytes all-reduced per optimizer step (NaN, i.e. null, when not counted)."""
+    return num_bytes / num_steps if num_steps else math.nan
+
+
 def _append_metrics(output_dir: Path, record: dict) -> None:
     with (output_dir / "metrics.jsonl").open("a") as handle:
         handle.write(json.dumps({k: _finite_or_none(v) for k, v in record.items()}) + "\n")
@@ -221,8 +294,10 @@ def train_mnist(config: TrainConfig, runtime: Runtime, source: DataSource) -> di
         The summary dict (also written to ``output_dir/summary.json`` by rank 0): test_accuracy
         (0..1), test_loss, test_samples, train_set_size, world_size, backend, epochs,
         final_step, samples_per_s (global training samples per second of this process's
-        training time; after a resume, of the resumed part), wall_s, dataset. Non-finite values
-        (a diverged run) are written as ``null``.
+        training time; after a resume, of the resumed part), wall_s, dataset,
+        comm_bytes_per_step (gradient plus local-SGD averaging payload bytes each rank handed
+        to all-reduce per optimizer step, counted by ddpkit's DDP comm hook; 0 for a single
+        process, null for dp). Non-finite values (a diverged run) are written as ``null``.
     """
     log = get_logger("train")
     start = time.perf_counter()
@@ -230,8 +305,7 @@ def train_mnist(config: TrainConfig, runtime: Runtime, source: DataSource) -> di
     kill_at = _fault_injection(runtime)
     torch.manual_seed(config.seed)
     train_set, test_set = source.load("train"), source.load("test")
-    model = wrap_model(MnistCNN(), runtime)  # DDP when world_size > 1; replicas start equal
-    optimizer = build_optimizer(config.optimizer, model.parameters(), config.lr)
+    model, optimizer, inner_optimizer, comm_stats = build_model_and_optimizer(config, runtime)
     train_loader = build_train_loader(
         train_set,
         runtime,
@@ -241,7 +315,7 @@ def train_mnist(config: TrainConfig, runtime: Runtime, source: DataSource) -> di
     )
     test_loader = build_eval_loader(test_set, runtime, batch_size=1000)
     schedule = torch.optim.lr_scheduler.OneCycleLR(
-        optimizer, max_lr=config.lr, total_steps=len(train_loader) * config.epochs
+        inner_optimizer, max_lr=config.lr, total_steps=len(train_loader) * config.epochs
     )
     ckpt = CheckpointManager(
         output_dir / "checkpoints", runtime, every_steps=config.checkpoint_every
@@ -254,6 +328,8 @@ def train_mnist(config: TrainConfig, runtime: Runtime, source: DataSource) -> di
         step = ckpt.resume(**state, path=path, extra=settings)
     _reset_outputs(output_dir, runtime, train_loader.epoch if step else None)
     guard = None if config.on_nonfinite == "off" else NonFiniteGuard(runtime, config.on_nonfinite)
+    averager = optimizer.averager if optimizer is not inner_optimizer else None  # local SGD
+    first_step = step
 
     def may_step(loss: torch.Tensor) -> bool:
         return guard is None or guard.check(step + 1, loss, model)
@@ -264,7 +340,8 @@ def train_mnist(config: TrainConfig, runtime: Runtime, source: DataSource) -> di
         if step == kill_at:
             os.kill(os.getpid(), signal.SIGKILL)
         if config.check_replicas_every and step % config.check_replicas_every == 0:
-            check_replicas(model, runtime, step)
+            if averager is None or averager.just_averaged:  # local SGD: equal only then
+                check_replicas(model, runtime, step)
         ckpt.maybe_save(step, **state, extra=settings)
 
     log.info(
@@ -272,10 +349,17 @@ def train_mnist(config: TrainConfig, runtime: Runtime, source: DataSource) -> di
         "global batch %d", source.dataset, runtime.world_size, runtime.backend or "none",
         runtime.device, len(train_set), len(test_set), config.batch_size * runtime.world_size,
     )  # fmt: skip
+    log.info(
+        "gradient sync: strategy %s, compression %s, %s, bucket cap %s",
+        config.strategy, config.grad_compression,
+        f"local SGD averaging every {config.sync_every} steps" if averager else "every step",
+        "torch default" if config.bucket_cap_mb is None else f"{config.bucket_cap_mb} MiB",
+    )  # fmt: skip
     train_time_s = samples_total = 0.0
     test = None
     while train_loader.epoch < config.epochs:
         epoch = train_loader.epoch + 1
+        epoch_bytes, epoch_first_step = _comm_bytes(comm_stats), step
         train_loss, num_samples, epoch_s = train_one_epoch(
             model, train_loader, optimizer, schedule, runtime, on_step, may_step
         )
@@ -286,6 +370,8 @@ def train_mnist(config: TrainConfig, runtime: Runtime, source: DataSource) -> di
                 "the first such step and name the rank (or skip to drop those steps); a lower "
                 "--lr often helps."
             )
+        if averager is not None and not averager.just_averaged:  # evaluate the averaged model
+            averager.average_now(inner_optimizer.param_groups)
         train_time_s += epoch_s
         samples_total += num_samples
         test = evaluate(model, test_loader, runtime)
@@ -297,6 +383,9 @@ def train_mnist(config: TrainConfig, runtime: Runtime, source: DataSource) -> di
             "test_samples": test["num_samples"],
             "samples_per_s": num_samples / epoch_s,
             "epoch_s": epoch_s,
+            "comm_bytes_per_step": _per_step(
+                _comm_bytes(comm_stats) - epoch_bytes, step - epoch_first_step
+            ),
         }
         log.info(
             "epoch %d/%d  train_loss %.4f  test_loss %.4f  test_acc %.4f  %.0f samples/s",
@@ -319,6 +408,7 @@ def train_mnist(config: TrainConfig, runtime: Runtime, source: DataSource) -> di
         "samples_per_s": samples_total / train_time_s if train_time_s else math.nan,
         "wall_s": time.perf_counter() - start,
         "dataset": source.dataset,
+        "comm_bytes_per_step": _per_step(_comm_bytes(comm_stats), step - first_step),
     }
     summary = {k: _finite_or_none(v) if isinstance(v, float) else v for k, v in summary.items()}
     summary["config"] = asdict(config)

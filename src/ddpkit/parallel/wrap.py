@@ -4,7 +4,12 @@ Strategies:
 - ``single``: the model on this rank's device, no gradient sync (world size 1).
 - ``ddp``: ``torch.nn.parallel.DistributedDataParallel`` over the runtime's training group; its
   gradient buckets all-reduce during backward (overlap), tuned by ``bucket_cap_mb``.
+- ``dp``: ``torch.nn.DataParallel`` over 2+ CUDA devices in one process (see
+  :mod:`ddpkit.parallel.dp`; PyTorch, and ddpkit, recommend ``ddp`` instead).
 - ``auto``: ``ddp`` when the world size is above 1, else ``single``.
+
+Wrap-time options: ``sync_batchnorm`` (see :mod:`ddpkit.parallel.syncbn`), ``grad_compression``
+and byte counting (see :mod:`ddpkit.parallel.comm`).
 """
 
 from __future__ import annotations
@@ -17,8 +22,14 @@ from torch.nn.parallel import DataParallel, DistributedDataParallel
 
 from ddpkit.distributed.process_group import Runtime
 from ddpkit.errors import ConfigError, DistributedError
+from ddpkit.parallel.comm import (
+    CommStats,
+    check_compression,
+    powersgd_bucket_cap_mb,
+    register_grad_hook,
+)
 
-STRATEGIES = ("auto", "single", "ddp")
+STRATEGIES = ("auto", "single", "ddp", "dp")
 _WRAPPERS = (DistributedDataParallel, DataParallel)
 
 
@@ -30,7 +41,17 @@ def unwrap_model(model: nn.Module) -> nn.Module:
 
 
 def wrap_model(
-    model: nn.Module, runtime: Runtime, strategy: str = "auto", **ddp_kwargs: Any
+    model: nn.Module,
+    runtime: Runtime,
+    strategy: str = "auto",
+    *,
+    sync_batchnorm: bool = False,
+    grad_compression: str = "none",
+    comm_stats: CommStats | None = None,
+    powersgd_rank: int = 1,
+    powersgd_start_step: int = 10,
+    device_ids: list[int] | None = None,
+    **ddp_kwargs: Any,
 ) -> nn.Module:
     """Move ``model`` to the rank's device and wrap it for ``strategy``.
 
@@ -40,21 +61,79 @@ def wrap_model(
     Args:
         model: an unwrapped ``nn.Module``.
         runtime: the job's :class:`Runtime`.
-        strategy: ``auto``, ``single`` or ``ddp``.
-        **ddp_kwargs: passed to ``DistributedDataParallel`` (``bucket_cap_mb``,
-            ``find_unused_parameters``, ``static_graph``, ...).
+        strategy: ``auto``, ``single``, ``ddp`` or ``dp``.
+        sync_batchnorm: convert every BatchNorm layer to a synchronised one before wrapping
+            (statistics over all ranks' samples; ``ddp`` only, no-op without BatchNorm).
+        grad_compression: ``none``, ``fp16``, ``bf16`` or ``powersgd`` (``ddp`` only): the DDP
+            comm hook that all-reduces gradients.
+        comm_stats: a :class:`~ddpkit.parallel.comm.CommStats` to count the gradient bytes in.
+            With ``none`` and no ``comm_stats``, no hook is registered (DDP's built-in
+            all-reduce), so a hook can still be added later (e.g. local SGD).
+        powersgd_rank: rank of PowerSGD's low-rank factors (``powersgd`` only).
+        powersgd_start_step: backward passes with plain all-reduce before PowerSGD starts.
+        device_ids: CUDA devices for ``dp`` (default: all).
+        **ddp_kwargs: passed to ``DistributedDataParallel`` (``bucket_cap_mb`` in MiB,
+            ``gradient_as_bucket_view``, ``find_unused_parameters``, ``static_graph``, ...).
 
     Returns:
         The wrapped model (the same module, moved, for ``single``).
 
     Raises:
-        ConfigError: unknown strategy; the model is already wrapped; ``ddp`` options for
-            ``single``.
+        ConfigError: unknown strategy or compression; the model is already wrapped; ``ddp``
+            options for ``single``/``dp``; ``dp`` without 2+ CUDA devices or with several
+            processes.
         DistributedError: ``ddp`` asked for without a process group (world size 1).
 
     Example:
-        >>> ddp_model = wrap_model(Net(), runtime, "ddp", bucket_cap_mb=25)   # doctest: +SKIP
+        >>> stats = CommStats()
+        >>> ddp_model = wrap_model(Net(), runtime, "ddp", bucket_cap_mb=25,
+        ...                        grad_compression="fp16", comm_stats=stats)  # doctest: +SKIP
     """
+    strategy = _check_wrap_args(
+        model,
+        runtime,
+        strategy,
+        grad_compression,
+        powersgd_rank,
+        powersgd_start_step,
+        sync_batchnorm,
+        ddp_kwargs,
+    )
+    if strategy == "dp":
+        from ddpkit.parallel.dp import wrap_data_parallel
+
+        return wrap_data_parallel(model, runtime, device_ids)
+    if strategy == "single":
+        return model.to(runtime.device)
+    if sync_batchnorm:
+        from ddpkit.parallel.syncbn import convert_sync_batchnorm
+
+        model = convert_sync_batchnorm(model, runtime)
+    model = model.to(runtime.device)
+    if grad_compression == "powersgd":
+        ddp_kwargs = powersgd_bucket_cap_mb(model, runtime, ddp_kwargs)
+    device_ids = [runtime.device.index] if runtime.device.type == "cuda" else None
+    ddp_model = DistributedDataParallel(
+        model, device_ids=device_ids, process_group=runtime.process_group, **ddp_kwargs
+    )
+    if grad_compression != "none" or comm_stats is not None:
+        register_grad_hook(
+            ddp_model, runtime, grad_compression, comm_stats, powersgd_rank, powersgd_start_step
+        )
+    return ddp_model
+
+
+def _check_wrap_args(
+    model: nn.Module,
+    runtime: Runtime,
+    strategy: str,
+    grad_compression: str,
+    powersgd_rank: int,
+    powersgd_start_step: int,
+    sync_batchnorm: bool,
+    ddp_kwargs: dict[str, Any],
+) -> str:
+    """Validate :func:`wrap_model`'s arguments; return the strategy with ``auto`` resolved."""
     if strategy not in STRATEGIES:
         raise ConfigError(
             f"unknown strategy: strategy={strategy!r}. Allowed: {', '.join(STRATEGIES)}."
@@ -64,25 +143,29 @@ def wrap_model(
             f"model is already wrapped in {type(model).__name__}: wrapping twice would sync "
             "gradients twice. Pass the plain module (ddpkit.unwrap_model(model))."
         )
+    check_compression(grad_compression, powersgd_rank, powersgd_start_step)
     if strategy == "auto":
         strategy = "ddp" if runtime.world_size > 1 else "single"
-    model = model.to(runtime.device)
-    if strategy == "single":
-        if ddp_kwargs:
-            raise ConfigError(
-                f"DDP options {sorted(ddp_kwargs)} given for strategy='single'. "
-                "Drop them or use strategy='ddp'."
+    if strategy != "ddp":
+        given = sorted(ddp_kwargs) + [
+            name
+            for name, on in (
+                ("grad_compression", grad_compression != "none"),
+                ("sync_batchnorm", sync_batchnorm),
             )
-        return model
-    if runtime.process_group is None:
+            if on
+        ]
+        if given:
+            raise ConfigError(
+                f"DDP options {given} given for strategy={strategy!r}: they configure "
+                "DistributedDataParallel's gradient sync. Drop them or use strategy='ddp'."
+            )
+    if strategy == "ddp" and runtime.process_group is None:
         raise DistributedError(
             "strategy='ddp' needs a process group, and world_size=1 has none. Launch several "
             "processes (ddpkit run -n 2 ... / torchrun), or use strategy='single'."
         )
-    device_ids = [runtime.device.index] if runtime.device.type == "cuda" else None
-    return DistributedDataParallel(
-        model, device_ids=device_ids, process_group=runtime.process_group, **ddp_kwargs
-    )
+    return strategy
 
 
 def model_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:

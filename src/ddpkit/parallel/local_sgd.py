@@ -1,0 +1,148 @@
+"""Local SGD: each rank steps on its own gradients; parameters are averaged every H steps.
+
+This is the correct form of "skip the all-reduce to go faster". Built from torch's pieces:
+``post_localSGD_hook`` (``PostLocalSGDState`` with ``start_localSGD_iter=0`` and
+``post_local_gradient_allreduce=False``: from the first step DDP leaves each rank's gradients
+local) and ``PostLocalSGDOptimizer``, which runs a model averager after every optimizer step.
+The averager is a ``ModelAverager`` subclass (torch's extension point) that averages with
+torch's ``average_parameters`` when the optimizer step count is a multiple of H, and counts the
+bytes. Replicas may differ between averaging steps and are identical right after each one;
+gradient traffic disappears and parameter traffic happens once per H steps.
+
+Why not torch's defaults: with ``post_local_gradient_allreduce=True`` the hook would all-reduce
+gradients inside an intra-node subgroup, which on one node is every rank (no saving), and whose
+default creation (``dist.new_subgroups()``) sizes groups by the CUDA device count, so on CPU it
+needs an explicit subgroup. ``PeriodicModelAverager`` counts steps from 0 and averages after
+steps 1, H + 1, ...; ddpkit's averager averages after steps H, 2H, ..., so a replica check every
+N steps (N a multiple of H) always runs right after an averaging step.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+from torch.distributed.algorithms.ddp_comm_hooks import post_localSGD_hook
+from torch.distributed.algorithms.model_averaging import averagers
+from torch.distributed.algorithms.model_averaging import utils as averaging_utils
+from torch.nn.parallel import DistributedDataParallel
+
+from ddpkit.distributed.process_group import Runtime
+from ddpkit.errors import ConfigError
+from ddpkit.parallel.comm import CommStats, HookState
+
+if TYPE_CHECKING:
+    from torch.distributed.optim import PostLocalSGDOptimizer
+
+
+def _counting_local_sgd_hook(state, bucket):
+    """torch's ``post_localSGD_hook``; counts the bucket only while it still all-reduces."""
+    inner: post_localSGD_hook.PostLocalSGDState = state.inner
+    buffer = bucket.buffer()
+    global_allreduce = inner.iter < inner.start_localSGD_iter
+    state.stats.add_bucket(
+        bucket, buffer.numel() * buffer.element_size() if global_allreduce else 0
+    )
+    return post_localSGD_hook.post_localSGD_hook(inner, bucket)
+
+
+class PeriodicAverager(averagers.ModelAverager):
+    """Average parameters over the group after every ``period``-th optimizer step.
+
+    Attributes:
+        step: optimizer steps taken so far (saved by ``PostLocalSGDOptimizer.state_dict``).
+        period: H, steps between averaging rounds.
+        last_average_step: the step after which parameters were last averaged (0 = never).
+    """
+
+    def __init__(self, period: int, process_group, stats: CommStats) -> None:
+        super().__init__(process_group)
+        self.period = period
+        self.stats = stats
+        self.last_average_step = 0
+
+    def average_parameters(self, params) -> None:
+        """Count the step; average when it is a multiple of ``period``. Collective."""
+        self.step += 1
+        if self.step % self.period == 0:
+            self.average_now(params)
+
+    def average_now(self, params) -> None:
+        """Average ``params`` (tensors or optimizer param groups) now. Collective.
+
+        All parameters are averaged, with or without a gradient, so every rank sends the same.
+        """
+        tensors = []
+        for item in params:
+            tensors.extend(item["params"] if isinstance(item, dict) else [item])
+        averaging_utils.average_parameters(iter(tensors), self.process_group)
+        self.stats.averaging_bytes += sum(t.numel() * t.element_size() for t in tensors)
+        self.stats.num_averages += 1
+        self.last_average_step = self.step
+
+    @property
+    def just_averaged(self) -> bool:
+        """True right after an averaging step (replicas are identical now)."""
+        return self.last_average_step == self.step and self.step > 0
+
+
+def enable_local_sgd(
+    model: DistributedDataParallel,
+    optimizer: torch.optim.Optimizer,
+    runtime: Runtime,
+    sync_every: int,
+    stats: CommStats | None = None,
+) -> PostLocalSGDOptimizer:
+    """Turn a DDP model and its optimizer into local SGD with averaging every ``sync_every`` steps.
+
+    Registers the post-local-SGD comm hook on ``model`` (so it must not have one) and wraps the
+    optimizer; use the returned optimizer for ``step``/``zero_grad``/checkpoints (its state dict
+    also holds the averager's step). Averaging happens inside ``step()``.
+
+    Collective: ``step()`` of the returned optimizer is one on averaging steps; call it on every
+    rank at every step. Build an LR scheduler on the inner ``optimizer``.
+
+    Args:
+        model: a ``DistributedDataParallel`` model without a comm hook.
+        optimizer: the local optimizer over ``model``'s parameters.
+        runtime: the job's runtime (its training process group averages).
+        sync_every: H >= 2, optimizer steps between parameter averaging rounds.
+        stats: a :class:`CommStats` to count gradient and averaging bytes in.
+
+    Returns:
+        ``torch.distributed.optim.PostLocalSGDOptimizer``; ``.averager`` is a
+        :class:`PeriodicAverager`.
+
+    Raises:
+        ConfigError: ``sync_every`` < 2 (1 is plain DDP), or ``model`` is not DDP.
+
+    Example:
+        >>> opt = enable_local_sgd(ddp_model, torch.optim.SGD(ddp_model.parameters(), 0.1),
+        ...                        rt, sync_every=4)                       # doctest: +SKIP
+    """
+    if not isinstance(sync_every, int) or sync_every < 2:
+        raise ConfigError(
+            f"invalid local SGD period: sync_every={sync_every!r}. It must be an integer >= 2 "
+            "(1 means all-reduce every step: use plain DDP, i.e. do not call enable_local_sgd)."
+        )
+    if not isinstance(model, DistributedDataParallel):
+        raise ConfigError(
+            f"local SGD needs a DistributedDataParallel model: got {type(model).__name__}. "
+            "Wrap it with ddpkit.wrap_model(model, runtime, 'ddp') first."
+        )
+    stats = stats if stats is not None else CommStats()
+    inner = post_localSGD_hook.PostLocalSGDState(
+        process_group=runtime.process_group,
+        subgroup=None,  # unused: post_local_gradient_allreduce=False
+        start_localSGD_iter=0,
+        post_local_gradient_allreduce=False,
+    )
+    model.register_comm_hook(
+        HookState(runtime.process_group, stats, inner), _counting_local_sgd_hook
+    )
+    averager = PeriodicAverager(sync_every, runtime.process_group, stats)
+    # imported here: torch.distributed.optim scripts its functional optimizers on import
+    # (about 4 s of CPU), which every other ddpkit user would pay
+    from torch.distributed.optim import PostLocalSGDOptimizer
+
+    return PostLocalSGDOptimizer(optim=optimizer, averager=averager)

@@ -1,0 +1,116 @@
+"""``ddpkit train``'s strategy and gradient-communication flags: listed with units, bad
+combinations refused in one line (exit 2, nothing written), and the byte counts reported."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from ddpkit.cli import main
+from ddpkit.examples.mnist import MnistCNN
+from tests.helpers import run_cli
+
+NUM_CUDA = torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+def _run(argv: list[str], capsys) -> tuple[int, str]:
+    try:
+        code = main(argv)
+    except SystemExit as exc:  # argparse's own errors
+        code = exc.code
+    return code, capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    "extra,expected",
+    [
+        (["--grad-compression", "int8"], "argument --grad-compression: invalid choice: 'int8'"),
+        (["--strategy", "fsdp"], "argument --strategy: invalid choice: 'fsdp'"),
+        (["--bucket-cap-mb", "0"], "--bucket-cap-mb 0.0 must be a finite number > 0"),
+        (["--powersgd-start-step", "1"], "--powersgd-start-step 1 must be >= 2"),
+        (["--sync-every", "0"], "--sync-every 0 must be >= 1"),
+        (
+            ["--sync-every", "4", "--check-replicas-every", "6"],
+            "--check-replicas-every 6 must be a multiple of --sync-every 4",
+        ),
+        (
+            ["--sync-every", "4", "--checkpoint-every", "10"],
+            "--checkpoint-every 10 must be a multiple of --sync-every 4",
+        ),
+        (["--sync-every", "2", "--grad-compression", "fp16"], "local SGD sends no gradients"),
+        (["--strategy", "single", "--nproc", "2"], "--strategy single runs in one process"),
+        (["--strategy", "ddp", "--nproc", "1"], "--strategy ddp needs --nproc 2 or more"),
+        (
+            ["--nproc", "1", "--grad-compression", "fp16", "--sync-batchnorm"],
+            "--grad-compression, --sync-batchnorm configure DDP's gradient sync, and "
+            "strategy=single (--nproc 1) has none",
+        ),
+        pytest.param(
+            ["--strategy", "dp"],
+            f"strategy='dp' needs 2 or more CUDA devices: found {NUM_CUDA}",
+            marks=pytest.mark.skipif(NUM_CUDA >= 2, reason="2 CUDA devices: dp is allowed"),
+        ),
+    ],
+)
+def test_bad_wrap_flags_are_one_line_exit_2(tmp_path, capsys, extra, expected):
+    pytest.importorskip("sklearn")
+    out = tmp_path / "out"
+    argv = ["train", "--dataset", "digits", "--output-dir", str(out), *extra]
+    code, err = _run(argv, capsys)
+    assert code == 2
+    assert expected in err
+    assert len(err.strip().splitlines()) == 1, err
+    assert not out.exists()
+
+
+def test_help_lists_the_flags_with_units(capsys):
+    with pytest.raises(SystemExit):
+        main(["train", "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    for snippet in (
+        "--strategy {auto,single,ddp,dp}",
+        "--bucket-cap-mb MIB DDP gradient bucket size in MiB",
+        "--grad-as-bucket-view",
+        "--grad-compression {none,fp16,bf16,powersgd}",
+        "--powersgd-rank R",
+        "--powersgd-start-step STEPS",
+        "--sync-every H",
+        "--sync-batchnorm",
+    ):
+        assert snippet in text, snippet
+
+
+def test_local_sgd_job_reports_averaging_bytes_per_step(tmp_path):
+    """8 steps with averaging every 4: two rounds of all parameters, no gradient bytes."""
+    pytest.importorskip("sklearn")
+    out = tmp_path / "run"
+    flags = ["--max-steps", "8", "--sync-every", "4", "--check-replicas-every", "4"]
+    result = run_cli(
+        ["-m", "ddpkit", "train", "--dataset", "digits", "--nproc", "2", "--epochs", "1",
+         "--output-dir", str(out), *flags],
+        timeout_s=180,
+    )  # fmt: skip
+    assert result.returncode == 0, result.output
+    assert "local SGD averaging every 4 steps" in result.stdout
+    param_bytes = sum(p.numel() * p.element_size() for p in MnistCNN().parameters())
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["final_step"] == 8
+    assert summary["comm_bytes_per_step"] == 2 * param_bytes / 8
+    record = json.loads((out / "metrics.jsonl").read_text().splitlines()[0])
+    assert record["comm_bytes_per_step"] == summary["comm_bytes_per_step"]
+    assert summary["config"]["sync_every"] == 4
+
+
+def test_resume_with_another_local_sgd_period_is_refused(tmp_path, capsys):
+    from ddpkit.checkpoint.io import write_checkpoint
+    from ddpkit.examples.mnist import TrainConfig, resume_settings
+
+    out = tmp_path / "run"
+    settings = {**resume_settings(TrainConfig(sync_every=2)), "dataset": "digits"}
+    write_checkpoint(out / "checkpoints", 4, {"step": 4}, {"world_size": 2, "extra": settings})
+    argv = ["train", "--dataset", "digits", "--nproc", "2", "--sync-every", "4"]
+    code, err = _run([*argv, "--resume", "auto", "--output-dir", str(out)], capsys)
+    assert code == 2 and len(err.strip().splitlines()) == 1, err
+    assert "sync_every 2 (this job: 4)" in err
