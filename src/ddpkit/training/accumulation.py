@@ -107,7 +107,7 @@ class GradientAccumulator:
         self.precision = precision or MixedPrecision("32", runtime)
         self.same_batch_sizes = same_batch_sizes
         self.num_samples_fn = num_samples_fn
-        self.diagnosis = UnusedParameterDiagnosis(model)
+        self.diagnosis = UnusedParameterDiagnosis(model, runtime)
         self._open_window: AccumulationWindow | None = None
         self._active: MicroStep | None = None
 

@@ -13,8 +13,10 @@ previous synced iteration, and tells the two causes apart:
   (``ddpkit train --find-unused-parameters``), or ``static_graph=True`` when the set of unused
   parameters is the same every iteration;
 - used in forward, but the output it produced is not part of the loss (a path from the outputs,
-  none from the loss): ``find_unused_parameters`` does not help here (DDP walks the graph from
-  the outputs) -> use that output in the loss, or do not return it.
+  none from the loss) -> use that output in the loss, or do not return it (``.detach()`` it).
+  ``find_unused_parameters=True`` also copes with it (DDP supports outputs left out of the loss
+  in that mode since torch 1.9, pytorch/pytorch#57081; checked on 2.13 in
+  ``tests/distributed/test_dynamic.py``), at the price of a graph traversal per iteration.
 
 Cost: a forward hook keeps a reference to the last forward's output ``grad_fn``\\s and
 :meth:`UnusedParameterDiagnosis.record_loss` to the last synced loss's (graph nodes only; the
@@ -30,6 +32,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from ddpkit.distributed.process_group import Runtime
 from ddpkit.errors import DistributedError
 from ddpkit.parallel.wrap import unwrap_model
 
@@ -74,6 +77,7 @@ class UnusedParameterDiagnosis:
 
     Args:
         model: the DDP-wrapped (or plain) model.
+        runtime: names the rank in messages (``[rank 1/2] ...``) when given.
 
     Use :meth:`attach` (a forward hook), call :meth:`record_loss` with each synced iteration's
     loss before its backward, and :meth:`explain` on a ``RuntimeError`` from forward.
@@ -88,8 +92,9 @@ class UnusedParameterDiagnosis:
         ...     raise diagnosis.explain(exc) or exc
     """
 
-    def __init__(self, model: nn.Module) -> None:
+    def __init__(self, model: nn.Module, runtime: Runtime | None = None) -> None:
         self.model = model
+        self.prefix = f"[rank {runtime.rank}/{runtime.world_size}] " if runtime else ""
         self._output_fns: list[Any] = []
         self._synced_output_fns: list[Any] = []
         self._loss_fns: list[Any] = []
@@ -144,12 +149,12 @@ class UnusedParameterDiagnosis:
         if not_in_loss:
             parts.append(
                 f"returned by forward but not part of the loss: {', '.join(not_in_loss)} -> "
-                "use that output in the loss, or do not return it (find_unused_parameters "
-                "does not help here)"
+                "use that output in the loss, or do not return it (or detach it); "
+                "find_unused_parameters=True also tolerates it, at a graph traversal per step"
             )
         if not parts:
             parts.append("the parameters could not be identified from the autograd graph")
         return UnusedParameterError(
-            "DDP: parameters received no gradient in the previous iteration, so their gradient "
-            f"bucket was never all-reduced: {'; '.join(parts)}."
+            f"{self.prefix}DDP: parameters received no gradient in the previous iteration, so "
+            f"their gradient bucket was never all-reduced: {'; '.join(parts)}."
         )
