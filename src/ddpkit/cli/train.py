@@ -25,6 +25,7 @@ from ddpkit.errors import ConfigError
 from ddpkit.examples.mnist import OPTIMIZERS, TrainConfig, resume_settings, train_mnist
 from ddpkit.examples.mnist_data import DATASETS, DataSource, resolve_data
 from ddpkit.launch.launcher import LaunchSpec, launch
+from ddpkit.training.precision import PRECISIONS
 
 WORKER_FLAG = "--_worker"
 
@@ -159,8 +160,69 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         metavar="N",
         help="compare parameter checksums across ranks every N steps (0 = never)",
     )
+    _add_step_arguments(parser, defaults)
     parser.add_argument(WORKER_FLAG, action="store_true", help=argparse.SUPPRESS)
     parser.set_defaults(handler=run)
+
+
+def _add_step_arguments(parser: argparse.ArgumentParser, defaults: TrainConfig) -> None:
+    """Flags of the training step: accumulation, precision, clipping, dynamic models, Join."""
+    group = parser.add_argument_group("training step")
+    group.add_argument(
+        "--grad-accum",
+        type=int,
+        default=defaults.grad_accum,
+        metavar="K",
+        help="micro-batches per optimizer step (default 1): the first K-1 run forward and "
+        "backward without gradient sync; global batch = B x world size x K. --max-steps, "
+        "--checkpoint-every and the LR schedule count optimizer steps",
+    )
+    group.add_argument(
+        "--precision",
+        choices=PRECISIONS,
+        default=defaults.precision,
+        help="32 (default), bf16-mixed (autocast to bfloat16, CPU and CUDA) or 16-mixed "
+        "(float16 autocast with a loss scaler; every rank skips an overflowed step together)",
+    )
+    group.add_argument(
+        "--clip-grad-norm",
+        type=float,
+        default=defaults.clip_grad_norm,
+        metavar="X",
+        help="clip the total L2 norm of the unscaled gradients to X before each optimizer "
+        "step (default 0 = off)",
+    )
+    group.add_argument(
+        "--find-unused-parameters",
+        action="store_true",
+        help="DDP option for models whose forward skips some parameters on some steps "
+        "(costs a graph traversal per step)",
+    )
+    group.add_argument(
+        "--static-graph",
+        action="store_true",
+        help="DDP option for models whose set of used parameters is the same every step",
+    )
+    group.add_argument(
+        "--join",
+        action="store_true",
+        help="train each epoch inside torch's Join, for ranks with different numbers of "
+        "batches (the train loader is even, so this only adds one all-reduce per step)",
+    )
+
+
+def _step_problems(args: argparse.Namespace) -> list[str]:
+    problems = []
+    if args.grad_accum < 1:
+        problems.append(f"--grad-accum {args.grad_accum} must be >= 1")
+    if not (math.isfinite(args.clip_grad_norm) and args.clip_grad_norm >= 0):
+        problems.append(f"--clip-grad-norm {args.clip_grad_norm} must be a finite number >= 0")
+    if args.precision == "16-mixed" and args.on_nonfinite != "off":
+        problems.append(
+            f"--precision 16-mixed needs --on-nonfinite off (got {args.on_nonfinite}): the "
+            "loss scaler already skips overflowed steps on every rank"
+        )
+    return problems
 
 
 def config_from_args(args: argparse.Namespace) -> TrainConfig:
@@ -182,6 +244,7 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
             problems.append(f"--{name.replace('_', '-')} {getattr(args, name)} must be >= 0")
     if args.resume not in ("", "auto") and not Path(args.resume).is_dir():
         problems.append(f"--resume {args.resume} is neither 'auto' nor a checkpoint folder")
+    problems += _step_problems(args)
     problem = _output_dir_problem(Path(args.output_dir))
     if problem:
         problems.append(problem)
