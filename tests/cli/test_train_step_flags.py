@@ -23,6 +23,10 @@ def _run(argv: list[str], capsys) -> tuple[int, str]:
         (["--clip-grad-norm", "nan"], "--clip-grad-norm nan must be a finite number >= 0"),
         (["--precision", "8"], "argument --precision: invalid choice: '8'"),
         (
+            ["--static-graph", "--grad-accum", "2"],
+            "--static-graph cannot be combined with --grad-accum 2",
+        ),
+        (
             ["--precision", "16-mixed", "--on-nonfinite", "skip"],
             "--precision 16-mixed needs --on-nonfinite off (got skip)",
         ),

@@ -217,6 +217,11 @@ def _step_problems(args: argparse.Namespace) -> list[str]:
         problems.append(f"--grad-accum {args.grad_accum} must be >= 1")
     if not (math.isfinite(args.clip_grad_norm) and args.clip_grad_norm >= 0):
         problems.append(f"--clip-grad-norm {args.clip_grad_norm} must be a finite number >= 0")
+    if args.static_graph and args.grad_accum > 1:
+        problems.append(
+            f"--static-graph cannot be combined with --grad-accum {args.grad_accum}: torch's "
+            "DDP breaks no_sync in static-graph mode (pytorch/pytorch#143580)"
+        )
     if args.precision == "16-mixed" and args.on_nonfinite != "off":
         problems.append(
             f"--precision 16-mixed needs --on-nonfinite off (got {args.on_nonfinite}): the "

@@ -78,7 +78,11 @@ class GradientAccumulator:
         num_samples_fn: samples in a batch (default: first dimension of its first tensor).
 
     Raises:
-        ConfigError: ``num_micro_steps`` is not a positive integer.
+        ConfigError: ``num_micro_steps`` is not a positive integer; or it is above 1 for a DDP
+            model built with ``static_graph=True``: torch 2.13's DDP fails with
+            "expect_autograd_hooks_ INTERNAL ASSERT FAILED" under ``no_sync`` in that mode
+            (pytorch/pytorch#143580; the open fix, #187732, notes that once past the assert
+            the gradients silently stop being all-reduced).
 
     Example:
         >>> for window in GradientAccumulator(model, rt, 4).windows(loader):  # doctest: +SKIP
@@ -100,6 +104,13 @@ class GradientAccumulator:
             raise ConfigError(
                 f"invalid gradient accumulation: num_micro_steps={num_micro_steps}. It must be "
                 "an integer >= 1 (micro-batches per optimizer step). Pass e.g. 4."
+            )
+        if num_micro_steps > 1 and getattr(model, "static_graph", False):
+            raise ConfigError(
+                f"gradient accumulation with DDP static_graph=True: num_micro_steps="
+                f"{num_micro_steps}. torch's DDP breaks no_sync in static-graph mode "
+                "(pytorch/pytorch#143580). Drop static_graph (--static-graph), or use "
+                "num_micro_steps=1."
             )
         self.model = model
         self.runtime = runtime
