@@ -49,7 +49,7 @@ class _CountingState:
 
 
 def _counting_hook(state: _CountingState, bucket):
-    active = state.accumulator._active if state.accumulator is not None else None
+    active = state.accumulator.current_micro_step if state.accumulator is not None else None
     state.calls.append(active.index if active is not None else None)
     return allreduce_hook(state.process_group, bucket)
 

@@ -122,6 +122,11 @@ class GradientAccumulator:
         self._open_window: AccumulationWindow | None = None
         self._active: MicroStep | None = None
 
+    @property
+    def current_micro_step(self) -> MicroStep | None:
+        """The micro-step whose ``with`` block is running now, else ``None``."""
+        return self._active
+
     def num_optimizer_steps(self, num_batches: int) -> int:
         """Optimizer steps for ``num_batches`` micro-batches: ``ceil(num_batches / K)``."""
         return -(-num_batches // self.num_micro_steps)
