@@ -45,17 +45,20 @@ class _CountingState:
     def __init__(self, process_group, accumulator=None):
         self.process_group = process_group
         self.accumulator = accumulator
-        self.calls: list[int | None] = []  # index of the micro-step running each all-reduce
+        self.calls: list[tuple] = []  # (window, micro-step, bucket) of each all-reduce
 
 
 def _counting_hook(state: _CountingState, bucket):
     active = state.accumulator.current_micro_step if state.accumulator is not None else None
-    state.calls.append(active.index if active is not None else None)
+    where = (active.window.index, active.index) if active is not None else (None, None)
+    state.calls.append((*where, bucket.index()))
     return allreduce_hook(state.process_group, bucket)
 
 
 def _accumulate_rank(runtime: Runtime, num_micro_steps: int):
-    model = ddpkit.wrap_model(_net(), runtime)
+    # a tiny bucket cap: several buckets after DDP's first iteration (which uses one large
+    # first bucket, then rebuilds them)
+    model = ddpkit.wrap_model(_net(), runtime, bucket_cap_mb=1e-4)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
     loader = ddpkit.build_train_loader(_dataset(), runtime, PER_RANK_BATCH, seed=3)
     accumulator = GradientAccumulator(model, runtime, num_micro_steps)
@@ -101,9 +104,16 @@ def test_two_ranks_k2_equal_one_process_with_the_global_batch():
         ):
             assert torch.equal(got, rank0), f"ranks differ after optimizer step {step + 1}"
             torch.testing.assert_close(got, ref, rtol=0, atol=1e-5)
-        # one bucket (a tiny model): one all-reduce per optimizer step, always on the last
-        # micro-step of its window: 3 steps -> 3 all-reduces, not 5 micro-steps' worth
-        assert result["calls"] == [1, 1, 0]
+        # each bucket all-reduced exactly once per optimizer step, on the window's last
+        # micro-step: buckets x optimizer steps, not x micro-steps
+        calls = result["calls"]
+        for index, window in enumerate(result["windows"]):
+            here = [(micro, bucket) for w, micro, bucket in calls if w == index]
+            assert {micro for micro, _ in here} == {len(window) - 1}
+            assert sorted(bucket for _, bucket in here) == list(range(len(here)))
+        per_window = [[w for w, _, _ in calls].count(i) for i in range(3)]
+        assert per_window[1] == per_window[2] >= 2  # measured on torch 2.13: [1, 2, 2]
+        assert len(calls) == sum(per_window)  # nothing outside the windows' last micro-steps
     # the parameters really moved
     assert (reference[-1] - _flat(_net())).abs().max() > 1e-2
 
@@ -194,3 +204,19 @@ def _skip_micro_step(runtime: Runtime):
 def test_a_micro_step_without_backward_is_refused():
     with pytest.raises(DistributedTestError, match="ran 1 forward\\(s\\) and 0 backward"):
         run_distributed(_skip_micro_step, 2)
+
+
+def test_single_process_windows_count_optimizer_steps():
+    single = Runtime(ProcessInfo(), None, torch.device("cpu"))
+    model = _net()
+    accumulator = GradientAccumulator(model, single, num_micro_steps=2)
+    batches = [(torch.randn(n, 6), torch.randint(0, 3, (n,))) for n in (3, 3, 3, 3, 1)]
+    shapes = []
+    for window in accumulator.windows(batches):
+        for micro in window:
+            with micro:
+                micro.backward(F.cross_entropy(model(micro.batch[0]), micro.batch[1]))
+        shapes.append((window.sizes, window.num_samples))
+    # the trailing partial window still steps; the LR schedule must count 3, not 5
+    assert shapes == [([3, 3], 6), ([3, 3], 6), ([1], 1)]
+    assert accumulator.num_optimizer_steps(len(batches)) == len(shapes) == 3
