@@ -65,7 +65,9 @@ def default_num_samples(batch: Any) -> int:
 class GradientAccumulator:
     """Group micro-batches into optimizer steps; sync gradients on each window's last only.
 
-    Collective: iterate :meth:`windows` on every rank with the same number of batches.
+    Collective: iterate :meth:`windows` on every rank with the same number of batches. At
+    world size 1 (a plain module) nothing syncs and no count is all-reduced; the loss is still
+    the mean over the window's samples.
 
     Args:
         model: the wrapped model (DDP, or a plain module at world size 1 where nothing syncs).

@@ -119,14 +119,17 @@ class MixedPrecision:
         """``loss`` times the current loss scale (``16-mixed``), else ``loss`` itself."""
         return self.scaler.scale(loss) if self.scaler is not None else loss
 
-    def step(self, optimizer: torch.optim.Optimizer, model: nn.Module, max_norm: float = 0.0):
+    def step(
+        self, optimizer: torch.optim.Optimizer, model: nn.Module, max_norm: float = 0.0
+    ) -> StepResult:
         """Unscale, clip and step (or skip, on every rank alike); returns a :class:`StepResult`.
 
         Call after the backward of the window's last micro-step, instead of
         ``optimizer.step()``.
 
         Collective in ``16-mixed``: call on every rank at every optimizer step (one all-reduce
-        of ``world_size + 1`` numbers). Not a collective for ``32`` and ``bf16-mixed``.
+        of ``world_size + 1`` numbers; a local no-op at world size 1). Not a collective for
+        ``32`` and ``bf16-mixed``.
 
         Args:
             optimizer: the optimizer to step.
