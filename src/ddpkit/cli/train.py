@@ -207,7 +207,8 @@ def _add_step_arguments(parser: argparse.ArgumentParser, defaults: TrainConfig) 
         "--join",
         action="store_true",
         help="train each epoch inside torch's Join, for ranks with different numbers of "
-        "batches (the train loader is even, so this only adds one all-reduce per step)",
+        "batches (the train loader is even, so this only adds Join's bookkeeping: two small "
+        "all-reduces per forward)",
     )
 
 

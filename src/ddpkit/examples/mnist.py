@@ -96,7 +96,7 @@ class TrainConfig:
         static_graph: DDP's option for models whose set of used parameters never changes.
         join: train each epoch inside torch's ``Join`` (ranks may have different numbers of
             batches); the ``ddpkit train`` loader is even anyway, so this only adds Join's
-            one all-reduce per step.
+            bookkeeping: two small all-reduces per forward (torch 2.13's DDP).
     """
 
     epochs: int = 1
