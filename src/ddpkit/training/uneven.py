@@ -13,8 +13,9 @@ gradient all-reduces it will never join: a hang until the collective timeout. Tw
   Semantics: gradients are still divided by the *full* world size (DDP's default), so on a step
   where only some ranks have data, each contributing rank's gradient weighs 1/world_size. Only
   DDP's own collectives are shadowed: inside the context no rank may call another collective
-  per step (ddpkit's non-finite guard, replica check, checkpoint saves, the accumulation count
-  all-reduce of non-:class:`~ddpkit.ShardedLoader` inputs) — the joined rank would not answer.
+  per step (ddpkit's non-finite guard, replica check, checkpoint saves, ``16-mixed``'s
+  overflow agreement in :meth:`~ddpkit.MixedPrecision.step`, the accumulation count all-reduce
+  of non-:class:`~ddpkit.ShardedLoader` inputs) — the joined rank would not answer.
 """
 
 from __future__ import annotations
