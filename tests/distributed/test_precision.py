@@ -75,8 +75,23 @@ def _fp32_reference() -> tuple[torch.Tensor, float]:
     return _flat(model) - before, norm
 
 
-def test_fp16_step_at_scale_65536_with_clipping_equals_the_fp32_step(tmp_path):
-    results = run_distributed(_fp16_step_rank, 2, args=(str(tmp_path),))
+def _precision_rank(runtime: Runtime, directory: str) -> dict:
+    """The fp16, overflow and bf16 checks in one spawn, to keep the suite short."""
+    return {
+        "fp16": _fp16_step_rank(runtime, directory),
+        "overflow": _overflow_on_one_rank(runtime),
+        "bf16": _bf16_rank(runtime),
+    }
+
+
+@pytest.fixture(scope="module")
+def precision_results(tmp_path_factory) -> list[dict]:
+    directory = tmp_path_factory.mktemp("precision-ckpt")
+    return run_distributed(_precision_rank, 2, args=(str(directory),))
+
+
+def test_fp16_step_at_scale_65536_with_clipping_equals_the_fp32_step(precision_results):
+    results = [r["fp16"] for r in precision_results]
     ref_update, ref_norm = _fp32_reference()
     assert ref_norm > 2 * MAX_NORM  # clipping really acts
     assert ref_update.norm() == pytest.approx(LR * MAX_NORM, rel=1e-4)
@@ -109,8 +124,8 @@ def _overflow_on_one_rank(runtime: Runtime):
     return result.stepped, precision.scaler.get_scale(), torch.equal(_flat(model), before)
 
 
-def test_an_overflow_on_one_rank_skips_the_step_on_every_rank():
-    assert run_distributed(_overflow_on_one_rank, 2) == [(False, 512.0, True)] * 2
+def test_an_overflow_on_one_rank_skips_the_step_on_every_rank(precision_results):
+    assert [r["overflow"] for r in precision_results] == [(False, 512.0, True)] * 2
 
 
 def _different_scales(runtime: Runtime):
@@ -146,8 +161,8 @@ def _bf16_rank(runtime: Runtime):
     return _flat(model) - before, result.grad_norm, str(logits.dtype), precision.scaler
 
 
-def test_bf16_step_is_close_to_fp32_without_a_scaler():
-    results = run_distributed(_bf16_rank, 2)
+def test_bf16_step_is_close_to_fp32_without_a_scaler(precision_results):
+    results = [r["bf16"] for r in precision_results]
     ref_update, ref_norm = _fp32_reference()
     for update, grad_norm, dtype, scaler in results:
         assert dtype == "torch.bfloat16" and scaler is None
