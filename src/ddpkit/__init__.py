@@ -32,7 +32,11 @@ from ddpkit.parallel.comm import CommStats
 from ddpkit.parallel.local_sgd import enable_local_sgd
 from ddpkit.parallel.syncbn import convert_sync_batchnorm
 from ddpkit.parallel.wrap import model_state_dict, unwrap_model, wrap_model
+from ddpkit.training.accumulation import GradientAccumulator
+from ddpkit.training.dynamic import UnusedParameterDiagnosis, UnusedParameterError
 from ddpkit.training.evaluate import evaluate
+from ddpkit.training.precision import MixedPrecision
+from ddpkit.training.uneven import UnevenInputsError, join_uneven_inputs, verify_even_batches
 
 __version__ = "0.1.0"
 
@@ -43,10 +47,15 @@ __all__ = [
     "DataError",
     "DdpkitError",
     "DistributedError",
+    "GradientAccumulator",
+    "MixedPrecision",
     "ProcessInfo",
     "Runtime",
     "ShardedLoader",
+    "UnevenInputsError",
     "UnpaddedDistributedSampler",
+    "UnusedParameterDiagnosis",
+    "UnusedParameterError",
     "all_reduce",
     "all_reduce_sum",
     "barrier",
@@ -59,9 +68,11 @@ __all__ = [
     "evaluate",
     "get_logger",
     "init_runtime",
+    "join_uneven_inputs",
     "load_model_state",
     "model_state_dict",
     "resolve_backend",
     "unwrap_model",
+    "verify_even_batches",
     "wrap_model",
 ]

@@ -27,6 +27,7 @@ from ddpkit.examples.mnist_data import DATASETS, DataSource, resolve_data
 from ddpkit.launch.launcher import LaunchSpec, launch
 from ddpkit.parallel.comm import GRAD_COMPRESSIONS
 from ddpkit.parallel.wrap import STRATEGIES
+from ddpkit.training.precision import PRECISIONS
 
 WORKER_FLAG = "--_worker"
 
@@ -170,6 +171,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         help="compare parameter checksums across ranks every N steps (0 = never)",
     )
     _add_wrap_arguments(parser, defaults)
+    _add_step_arguments(parser, defaults)
     parser.add_argument(WORKER_FLAG, action="store_true", help=argparse.SUPPRESS)
     parser.set_defaults(handler=run)
 
@@ -305,6 +307,72 @@ def check_strategy(config: TrainConfig, nproc: int) -> None:
         check_dp_possible(1)
 
 
+def _add_step_arguments(parser: argparse.ArgumentParser, defaults: TrainConfig) -> None:
+    """Flags of the training step: accumulation, precision, clipping, dynamic models, Join."""
+    group = parser.add_argument_group("training step")
+    group.add_argument(
+        "--grad-accum",
+        type=int,
+        default=defaults.grad_accum,
+        metavar="K",
+        help="micro-batches per optimizer step (default 1): the first K-1 run forward and "
+        "backward without gradient sync; global batch = B x world size x K. --max-steps, "
+        "--checkpoint-every and the LR schedule count optimizer steps",
+    )
+    group.add_argument(
+        "--precision",
+        choices=PRECISIONS,
+        default=defaults.precision,
+        help="32 (default), bf16-mixed (autocast to bfloat16, CPU and CUDA) or 16-mixed "
+        "(float16 autocast with a loss scaler; every rank skips an overflowed step together)",
+    )
+    group.add_argument(
+        "--clip-grad-norm",
+        type=float,
+        default=defaults.clip_grad_norm,
+        metavar="X",
+        help="clip the total L2 norm of the unscaled gradients to X before each optimizer "
+        "step (default 0 = off)",
+    )
+    group.add_argument(
+        "--find-unused-parameters",
+        action="store_true",
+        help="DDP option for models whose forward skips some parameters on some steps "
+        "(costs a graph traversal per step)",
+    )
+    group.add_argument(
+        "--static-graph",
+        action="store_true",
+        help="DDP option for models whose set of used parameters is the same every step",
+    )
+    group.add_argument(
+        "--join",
+        action="store_true",
+        help="train each epoch inside torch's Join, for ranks with different numbers of "
+        "batches (the train loader is even, so this only adds Join's bookkeeping: two small "
+        "all-reduces per forward)",
+    )
+
+
+def _step_problems(args: argparse.Namespace) -> list[str]:
+    problems = []
+    if args.grad_accum < 1:
+        problems.append(f"--grad-accum {args.grad_accum} must be >= 1")
+    if not (math.isfinite(args.clip_grad_norm) and args.clip_grad_norm >= 0):
+        problems.append(f"--clip-grad-norm {args.clip_grad_norm} must be a finite number >= 0")
+    if args.static_graph and args.grad_accum > 1:
+        problems.append(
+            f"--static-graph cannot be combined with --grad-accum {args.grad_accum}: torch's "
+            "DDP breaks no_sync in static-graph mode (pytorch/pytorch#143580)"
+        )
+    if args.precision == "16-mixed" and args.on_nonfinite != "off":
+        problems.append(
+            f"--precision 16-mixed needs --on-nonfinite off (got {args.on_nonfinite}): the "
+            "loss scaler already skips overflowed steps on every rank"
+        )
+    return problems
+
+
 def config_from_args(args: argparse.Namespace) -> TrainConfig:
     """Build and validate the config; one :class:`ConfigError` lists every problem."""
     problems = []
@@ -327,6 +395,7 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
     if args.resume not in ("", "auto") and not Path(args.resume).is_dir():
         problems.append(f"--resume {args.resume} is neither 'auto' nor a checkpoint folder")
     problems += _wrap_problems(args)
+    problems += _step_problems(args)
     problem = _output_dir_problem(Path(args.output_dir))
     if problem:
         problems.append(problem)

@@ -33,7 +33,10 @@ from ddpkit.log import get_logger
 from ddpkit.parallel.comm import CommStats
 from ddpkit.parallel.local_sgd import enable_local_sgd
 from ddpkit.parallel.wrap import model_state_dict, wrap_model
+from ddpkit.training.accumulation import GradientAccumulator
 from ddpkit.training.evaluate import evaluate
+from ddpkit.training.precision import MixedPrecision
+from ddpkit.training.uneven import join_uneven_inputs, verify_even_batches
 
 OPTIMIZERS = ("adam", "adamw", "sgd")
 FAULT_ENV = "DDPKIT_FAULT_INJECT"
@@ -97,6 +100,20 @@ class TrainConfig:
             parameters averaged every H steps and at the end of each epoch.
         sync_batchnorm: convert BatchNorm layers to synchronised ones (the MNIST CNN has none:
             a no-op, with a log line).
+        grad_accum: micro-batches per optimizer step (K >= 1); forward and backward of the
+            first K-1 run without gradient sync; the loss is the mean over the global batch
+            of the K micro-batches of every rank. Steps (``max_steps``, ``checkpoint_every``,
+            the LR schedule) count optimizer steps.
+        precision: ``32``, ``bf16-mixed`` (autocast to bfloat16) or ``16-mixed`` (float16
+            autocast with a GradScaler whose skip decisions every rank shares).
+        clip_grad_norm: clip the total L2 norm of the unscaled gradients to this before each
+            optimizer step (0 = off).
+        find_unused_parameters: DDP's option for models whose forward skips parameters on
+            some steps (a graph traversal per step).
+        static_graph: DDP's option for models whose set of used parameters never changes.
+        join: train each epoch inside torch's ``Join`` (ranks may have different numbers of
+            batches); the ``ddpkit train`` loader is even anyway, so this only adds Join's
+            bookkeeping: two small all-reduces per forward (torch 2.13's DDP).
     """
 
     epochs: int = 1
@@ -119,6 +136,13 @@ class TrainConfig:
     powersgd_start_step: int = 10
     sync_every: int = 1
     sync_batchnorm: bool = False
+    # training step (issue 3: accumulation, precision, dynamic models, uneven inputs)
+    grad_accum: int = 1
+    precision: str = "32"
+    clip_grad_norm: float = 0.0
+    find_unused_parameters: bool = False
+    static_graph: bool = False
+    join: bool = False
 
 
 def build_optimizer(name: str, params, lr: float) -> torch.optim.Optimizer:
@@ -140,7 +164,7 @@ def build_model_and_optimizer(
         one an LR schedule drives; ``comm_stats`` counts gradient and averaging bytes (``None``
         for ``dp``, which has no DDP hook).
     """
-    ddp_kwargs: dict = {}
+    ddp_kwargs: dict = _ddp_options(config, runtime) if config.strategy != "dp" else {}
     if config.bucket_cap_mb is not None:
         ddp_kwargs["bucket_cap_mb"] = config.bucket_cap_mb
     if config.grad_as_bucket_view:
@@ -168,7 +192,8 @@ def build_model_and_optimizer(
 def resume_settings(config: TrainConfig) -> dict:
     """The settings a resumed run must share with its checkpoint (saved in the manifest)."""
     keys = ("epochs", "batch_size", "lr", "optimizer", "seed", "max_steps", "sync_every")
-    return {key: getattr(config, key) for key in keys}
+    # (a checkpoint written before grad_accum/precision existed lacks them and is not refused)
+    return {key: getattr(config, key) for key in (*keys, "grad_accum", "precision")}
 
 
 def _finite_or_none(value: float) -> float | None:
@@ -189,12 +214,19 @@ def train_one_epoch(
     runtime: Runtime,
     on_step: Callable[[], None] | None = None,
     may_step: Callable[[torch.Tensor], bool] | None = None,
+    accumulator: GradientAccumulator | None = None,
+    clip_grad_norm: float = 0.0,
+    join: bool = False,
 ) -> tuple[float, float, float]:
     """One pass over this rank's shard (capped by the loader's ``max_batches``).
 
-    ``may_step(loss)`` runs after backward and decides whether the optimizer steps (the
-    non-finite guard); ``on_step`` runs after every step, taken or skipped. After a resume
-    the pass starts where the checkpoint left it, and only those batches are counted.
+    Each optimizer step takes one window of the ``accumulator`` (default: K = 1, fp32), whose
+    micro-steps run forward and backward under ``no_sync`` except the last. ``may_step(loss)``
+    runs after the last backward (``loss``: the window's summed micro-batch losses) and decides
+    whether the optimizer steps (the non-finite guard); ``on_step`` runs after every optimizer
+    step, taken or skipped. After a resume the pass starts where the checkpoint left it, and
+    only those batches are counted. Without ``join`` the ranks first check they have the same
+    number of batches (one all-reduce), so uneven loaders fail at once instead of hanging.
 
     Collective: call on every rank (DDP's backward and the final all-reduce).
 
@@ -203,20 +235,27 @@ def train_one_epoch(
     """
     model.train()
     start = time.perf_counter()
+    accumulator = accumulator or GradientAccumulator(model, runtime)
+    if not join:
+        verify_even_batches(len(loader) - loader.state_dict()["batches_done"], runtime)
     loss_sum = num_samples = 0.0
-    for inputs, targets in loader:
-        inputs, targets = inputs.to(runtime.device), targets.to(runtime.device)
-        optimizer.zero_grad(set_to_none=True)
-        loss = F.cross_entropy(model(inputs), targets)
-        with runtime.watch("backward (DDP gradient all-reduce)"):
-            loss.backward()  # DDP all-reduces gradient buckets while backward runs
-        if may_step is None or may_step(loss):
-            optimizer.step()
-            schedule.step()
-        loss_sum += float(loss.detach()) * len(targets)
-        num_samples += len(targets)
-        if on_step is not None:
-            on_step()
+    with join_uneven_inputs(model, runtime, enable=join):
+        for window in accumulator.windows(loader):
+            optimizer.zero_grad(set_to_none=True)
+            window_loss = torch.zeros((), device=runtime.device)
+            for micro in window:
+                inputs, targets = (t.to(runtime.device) for t in micro.batch)
+                with micro:  # no_sync() unless last; forward AND backward inside
+                    loss = F.cross_entropy(model(inputs), targets)
+                    micro.backward(loss)
+                window_loss += loss.detach().float()
+                loss_sum += float(loss.detach()) * len(targets)
+                num_samples += len(targets)
+            if may_step is None or may_step(window_loss):
+                if accumulator.precision.step(optimizer, model, clip_grad_norm).stepped:
+                    schedule.step()
+            if on_step is not None:
+                on_step()
     seconds = time.perf_counter() - start
     loss_sum, num_samples = all_reduce_sum([loss_sum, num_samples], runtime).tolist()
     return loss_sum / max(num_samples, 1.0), num_samples, seconds
@@ -244,6 +283,29 @@ def _fault_injection(runtime: Runtime) -> int:
         )
     first_attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
     return step if first_attempt and rank == runtime.rank else 0
+
+
+def check_step_options(config: TrainConfig) -> None:
+    """Refuse option combinations of the training step that cannot work together.
+
+    Raises:
+        ConfigError: ``16-mixed`` with the non-finite guard (the GradScaler owns inf/NaN
+            gradients: it skips those steps on every rank and lowers the scale).
+    """
+    if config.precision == "16-mixed" and config.on_nonfinite != "off":
+        raise ConfigError(
+            f"precision=16-mixed with on_nonfinite={config.on_nonfinite!r}: the GradScaler "
+            "already skips steps whose gradients overflow (on every rank) and lowers the scale. "
+            "Use on_nonfinite='off' (--on-nonfinite off) with 16-mixed."
+        )
+
+
+def _ddp_options(config: TrainConfig, runtime: Runtime) -> dict:
+    """DDP keyword arguments from the config (none at world size 1, where there is no DDP)."""
+    if runtime.world_size == 1:
+        return {}
+    options = {"find_unused_parameters": config.find_unused_parameters}
+    return {**options, "static_graph": config.static_graph}
 
 
 def _reset_outputs(output_dir: Path, runtime: Runtime, completed_epochs: int | None) -> None:
@@ -303,6 +365,7 @@ def train_mnist(config: TrainConfig, runtime: Runtime, source: DataSource) -> di
     start = time.perf_counter()
     output_dir = Path(config.output_dir)
     kill_at = _fault_injection(runtime)
+    check_step_options(config)
     torch.manual_seed(config.seed)
     train_set, test_set = source.load("train"), source.load("test")
     model, optimizer, inner_optimizer, comm_stats = build_model_and_optimizer(config, runtime)
@@ -311,16 +374,25 @@ def train_mnist(config: TrainConfig, runtime: Runtime, source: DataSource) -> di
         runtime,
         config.batch_size,
         seed=config.seed,
-        max_batches=config.max_steps or None,
+        max_batches=config.max_steps * config.grad_accum or None,
     )
     test_loader = build_eval_loader(test_set, runtime, batch_size=1000)
+    precision = MixedPrecision(config.precision, runtime)
+    accumulator = GradientAccumulator(model, runtime, config.grad_accum, precision)
+    steps_per_epoch = accumulator.num_optimizer_steps(len(train_loader))  # optimizer steps
     schedule = torch.optim.lr_scheduler.OneCycleLR(
-        inner_optimizer, max_lr=config.lr, total_steps=len(train_loader) * config.epochs
+        inner_optimizer, max_lr=config.lr, total_steps=steps_per_epoch * config.epochs
     )
     ckpt = CheckpointManager(
         output_dir / "checkpoints", runtime, every_steps=config.checkpoint_every
     )
-    state = {"model": model, "optimizer": optimizer, "scheduler": schedule, "loader": train_loader}
+    state = {
+        "model": model,
+        "optimizer": optimizer,
+        "scheduler": schedule,
+        "scaler": precision.scaler,
+        "loader": train_loader,
+    }
     settings = {**resume_settings(config), "dataset": source.dataset}
     step = 0
     if config.resume:
@@ -344,10 +416,11 @@ def train_mnist(config: TrainConfig, runtime: Runtime, source: DataSource) -> di
                 check_replicas(model, runtime, step)
         ckpt.maybe_save(step, **state, extra=settings)
 
+    global_batch = config.batch_size * runtime.world_size * config.grad_accum
     log.info(
         "training %s on %d process(es), backend=%s, device=%s, %d train / %d test samples, "
         "global batch %d", source.dataset, runtime.world_size, runtime.backend or "none",
-        runtime.device, len(train_set), len(test_set), config.batch_size * runtime.world_size,
+        runtime.device, len(train_set), len(test_set), global_batch,
     )  # fmt: skip
     log.info(
         "gradient sync: strategy %s, compression %s, %s, bucket cap %s",
@@ -361,8 +434,9 @@ def train_mnist(config: TrainConfig, runtime: Runtime, source: DataSource) -> di
         epoch = train_loader.epoch + 1
         epoch_bytes, epoch_first_step = _comm_bytes(comm_stats), step
         train_loss, num_samples, epoch_s = train_one_epoch(
-            model, train_loader, optimizer, schedule, runtime, on_step, may_step
-        )
+            model, train_loader, optimizer, schedule, runtime, on_step, may_step,
+            accumulator, config.clip_grad_norm, config.join,
+        )  # fmt: skip
         if guard is None and not math.isfinite(train_loss):
             raise NonFiniteError(
                 f"epoch {epoch}: the mean train loss over all ranks is {train_loss}: training "
