@@ -100,3 +100,14 @@ def listening_sockets(pids: set[int]) -> list[tuple[str, int]]:
                     address = ".".join(str(b) for b in reversed(bytes.fromhex(address_hex)))
                 found.append((address, int(port_hex, 16)))
     return found
+
+
+def run_main(argv: list[str], capsys) -> tuple[int, str]:
+    """Call ``ddpkit`` in-process; returns ``(exit status, stderr)`` (argparse exits too)."""
+    from ddpkit.cli import main
+
+    try:
+        code = main(argv)
+    except SystemExit as exc:  # argparse's own errors
+        code = exc.code
+    return code, capsys.readouterr().err

@@ -4,16 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from ddpkit.cli import main
-from tests.helpers import run_cli
-
-
-def _run(argv: list[str], capsys) -> tuple[int, str]:
-    try:
-        code = main(argv)
-    except SystemExit as exc:  # argparse's own errors
-        code = exc.code
-    return code, capsys.readouterr().err
+from tests.helpers import run_cli, run_main
 
 
 @pytest.mark.parametrize(
@@ -33,7 +24,7 @@ def test_bad_input_is_one_line_exit_2_nothing_written(tmp_path, capsys, extra, e
     (tmp_path / "a-file").write_text("not a folder")
     out = tmp_path / "out"
     argv = ["train", "--output-dir", str(out), *[e.format(tmp=tmp_path) for e in extra]]
-    code, err = _run(argv, capsys)
+    code, err = run_main(argv, capsys)
     assert code == 2
     assert expected in err
     assert len(err.strip().splitlines()) == 1, err
@@ -42,7 +33,7 @@ def test_bad_input_is_one_line_exit_2_nothing_written(tmp_path, capsys, extra, e
 
 
 def test_data_dir_without_mnist_files_names_them(tmp_path, capsys):
-    code, err = _run(
+    code, err = run_main(
         ["train", "--data-dir", str(tmp_path), "--output-dir", str(tmp_path / "o")], capsys
     )
     assert code == 2
@@ -58,7 +49,7 @@ def test_corrupt_data_is_refused_before_any_worker_starts(mnist_dir, tmp_path, c
     good = gzip.decompress((data / "t10k-images-idx3-ubyte.gz").read_bytes())
     (data / "t10k-images-idx3-ubyte.gz").write_bytes(gzip.compress(good)[:-200])  # truncated
     out = tmp_path / "out"
-    code, err = _run(["train", "--data-dir", str(data), "--output-dir", str(out)], capsys)
+    code, err = run_main(["train", "--data-dir", str(data), "--output-dir", str(out)], capsys)
     assert code == 2 and len(err.strip().splitlines()) == 1, err
     assert "t10k-images-idx3-ubyte.gz" in err and "download it again" in err
     assert not out.exists()
@@ -68,7 +59,9 @@ def test_slurm_task_trains_in_place_instead_of_launching(tmp_path, capsys, monke
     # an srun task of a 2-task step must join that job, not start 2 ranks of its own
     for name, value in {"SLURM_PROCID": "1", "SLURM_NTASKS": "2", "SLURM_LOCALID": "1"}.items():
         monkeypatch.setenv(name, value)
-    code, err = _run(["train", "--dataset", "digits", "--output-dir", str(tmp_path / "o")], capsys)
+    code, err = run_main(
+        ["train", "--dataset", "digits", "--output-dir", str(tmp_path / "o")], capsys
+    )
     assert code == 2
     assert "MASTER_ADDR, MASTER_PORT not set (launcher=slurm)" in err
 
@@ -99,7 +92,7 @@ def test_resume_with_other_settings_is_refused_before_launch(tmp_path, capsys):
     }
     write_checkpoint(out / "checkpoints", 8, {"step": 8}, {"world_size": 2, "extra": settings})
     (out / "summary.json").write_text("{}")
-    code, err = _run(
+    code, err = run_main(
         [
             "train",
             "--dataset",

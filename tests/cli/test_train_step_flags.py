@@ -5,14 +5,7 @@ from __future__ import annotations
 import pytest
 
 from ddpkit.cli import main
-
-
-def _run(argv: list[str], capsys) -> tuple[int, str]:
-    try:
-        code = main(argv)
-    except SystemExit as exc:  # argparse's own errors
-        code = exc.code
-    return code, capsys.readouterr().err
+from tests.helpers import run_main
 
 
 @pytest.mark.parametrize(
@@ -34,7 +27,7 @@ def _run(argv: list[str], capsys) -> tuple[int, str]:
 )
 def test_bad_step_flags_are_one_line_exit_2(tmp_path, capsys, extra, expected):
     out = tmp_path / "out"
-    code, err = _run(["train", "--dataset", "digits", "--output-dir", str(out), *extra], capsys)
+    code, err = run_main(["train", "--dataset", "digits", "--output-dir", str(out), *extra], capsys)
     assert code == 2
     assert expected in err
     assert len(err.strip().splitlines()) == 1, err

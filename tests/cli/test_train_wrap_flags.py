@@ -10,17 +10,9 @@ import torch
 
 from ddpkit.cli import main
 from ddpkit.examples.mnist import MnistCNN
-from tests.helpers import run_cli
+from tests.helpers import run_cli, run_main
 
 NUM_CUDA = torch.cuda.device_count() if torch.cuda.is_available() else 0
-
-
-def _run(argv: list[str], capsys) -> tuple[int, str]:
-    try:
-        code = main(argv)
-    except SystemExit as exc:  # argparse's own errors
-        code = exc.code
-    return code, capsys.readouterr().err
 
 
 @pytest.mark.parametrize(
@@ -58,7 +50,7 @@ def test_bad_wrap_flags_are_one_line_exit_2(tmp_path, capsys, extra, expected):
     pytest.importorskip("sklearn")
     out = tmp_path / "out"
     argv = ["train", "--dataset", "digits", "--output-dir", str(out), *extra]
-    code, err = _run(argv, capsys)
+    code, err = run_main(argv, capsys)
     assert code == 2
     assert expected in err
     assert len(err.strip().splitlines()) == 1, err
@@ -111,6 +103,6 @@ def test_resume_with_another_local_sgd_period_is_refused(tmp_path, capsys):
     settings = {**resume_settings(TrainConfig(sync_every=2)), "dataset": "digits"}
     write_checkpoint(out / "checkpoints", 4, {"step": 4}, {"world_size": 2, "extra": settings})
     argv = ["train", "--dataset", "digits", "--nproc", "2", "--sync-every", "4"]
-    code, err = _run([*argv, "--resume", "auto", "--output-dir", str(out)], capsys)
+    code, err = run_main([*argv, "--resume", "auto", "--output-dir", str(out)], capsys)
     assert code == 2 and len(err.strip().splitlines()) == 1, err
     assert "sync_every 2 (this job: 4)" in err

@@ -8,13 +8,10 @@ Run it (the launcher starts the ranks; this module is what each rank executes)::
 
 from __future__ import annotations
 
-import json
 import math
 import os
-import shutil
 import signal
 import time
-from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -23,11 +20,11 @@ from torch import nn
 from torch.nn import functional as F
 
 from ddpkit.checkpoint.manager import CheckpointManager
-from ddpkit.distributed.collectives import all_reduce_sum, barrier
 from ddpkit.distributed.process_group import Runtime
-from ddpkit.distributed.sampler import ShardedLoader, build_eval_loader, build_train_loader
+from ddpkit.distributed.sampler import build_eval_loader, build_train_loader
 from ddpkit.errors import ConfigError
 from ddpkit.examples.mnist_data import DataSource
+from ddpkit.examples.outputs import append_metrics, finite_or_none, reset_outputs, write_json_atomic
 from ddpkit.guards.nonfinite import NonFiniteError, NonFiniteGuard, check_replicas
 from ddpkit.log import get_logger
 from ddpkit.parallel.comm import CommStats
@@ -35,8 +32,8 @@ from ddpkit.parallel.local_sgd import enable_local_sgd
 from ddpkit.parallel.wrap import model_state_dict, wrap_model
 from ddpkit.training.accumulation import GradientAccumulator
 from ddpkit.training.evaluate import evaluate
+from ddpkit.training.loop import train_one_epoch
 from ddpkit.training.precision import MixedPrecision
-from ddpkit.training.uneven import join_uneven_inputs, verify_even_batches
 
 OPTIMIZERS = ("adam", "adamw", "sgd")
 FAULT_ENV = "DDPKIT_FAULT_INJECT"
@@ -196,71 +193,6 @@ def resume_settings(config: TrainConfig) -> dict:
     return {key: getattr(config, key) for key in (*keys, "grad_accum", "precision")}
 
 
-def _finite_or_none(value: float) -> float | None:
-    return value if math.isfinite(value) else None  # JSON has no NaN/Inf
-
-
-def _write_json_atomic(path: Path, payload: dict) -> None:
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(json.dumps(payload, indent=2, allow_nan=False) + "\n")
-    os.replace(tmp, path)
-
-
-def train_one_epoch(
-    model: nn.Module,
-    loader: ShardedLoader,
-    optimizer: torch.optim.Optimizer,
-    schedule: torch.optim.lr_scheduler.LRScheduler,
-    runtime: Runtime,
-    on_step: Callable[[], None] | None = None,
-    may_step: Callable[[torch.Tensor], bool] | None = None,
-    accumulator: GradientAccumulator | None = None,
-    clip_grad_norm: float = 0.0,
-    join: bool = False,
-) -> tuple[float, float, float]:
-    """One pass over this rank's shard (capped by the loader's ``max_batches``).
-
-    Each optimizer step takes one window of the ``accumulator`` (default: K = 1, fp32), whose
-    micro-steps run forward and backward under ``no_sync`` except the last. ``may_step(loss)``
-    runs after the last backward (``loss``: the window's summed micro-batch losses) and decides
-    whether the optimizer steps (the non-finite guard); ``on_step`` runs after every optimizer
-    step, taken or skipped. After a resume the pass starts where the checkpoint left it, and
-    only those batches are counted. Without ``join`` the ranks first check they have the same
-    number of batches (one all-reduce), so uneven loaders fail at once instead of hanging.
-
-    Collective: call on every rank (DDP's backward and the final all-reduce).
-
-    Returns:
-        ``(mean train loss over all ranks' samples, global samples, seconds)``.
-    """
-    model.train()
-    start = time.perf_counter()
-    accumulator = accumulator or GradientAccumulator(model, runtime)
-    if not join:
-        verify_even_batches(len(loader) - loader.state_dict()["batches_done"], runtime)
-    loss_sum = num_samples = 0.0
-    with join_uneven_inputs(model, runtime, enable=join):
-        for window in accumulator.windows(loader):
-            optimizer.zero_grad(set_to_none=True)
-            window_loss = torch.zeros((), device=runtime.device)
-            for micro in window:
-                inputs, targets = (t.to(runtime.device) for t in micro.batch)
-                with micro:  # no_sync() unless last; forward AND backward inside
-                    loss = F.cross_entropy(model(inputs), targets)
-                    micro.backward(loss)
-                window_loss += loss.detach().float()
-                loss_sum += float(loss.detach()) * len(targets)
-                num_samples += len(targets)
-            if may_step is None or may_step(window_loss):
-                if accumulator.precision.step(optimizer, model, clip_grad_norm).stepped:
-                    schedule.step()
-            if on_step is not None:
-                on_step()
-    seconds = time.perf_counter() - start
-    loss_sum, num_samples = all_reduce_sum([loss_sum, num_samples], runtime).tolist()
-    return loss_sum / max(num_samples, 1.0), num_samples, seconds
-
-
 def _fault_injection(runtime: Runtime) -> int:
     """Step at which this rank kills itself, from ``DDPKIT_FAULT_INJECT=RANK:STEP`` (0 = never).
 
@@ -308,26 +240,6 @@ def _ddp_options(config: TrainConfig, runtime: Runtime) -> dict:
     return {**options, "static_graph": config.static_graph}
 
 
-def _reset_outputs(output_dir: Path, runtime: Runtime, completed_epochs: int | None) -> None:
-    """Rank 0 clears what an earlier run left; a resumed run keeps its checkpoints and the
-    metrics of the epochs it completed. Collective (a barrier)."""
-    if runtime.is_rank_zero:
-        for name in ("summary.json", "model.pt"):
-            (output_dir / name).unlink(missing_ok=True)
-        metrics = output_dir / "metrics.jsonl"
-        if completed_epochs is None:
-            shutil.rmtree(output_dir / "checkpoints", ignore_errors=True)
-            metrics.unlink(missing_ok=True)
-        elif metrics.exists():
-            kept = [
-                r
-                for r in metrics.read_text().splitlines()
-                if r.strip() and json.loads(r)["epoch"] <= completed_epochs
-            ]
-            metrics.write_text("".join(f"{r}\n" for r in kept))
-    barrier(runtime)
-
-
 def _comm_bytes(stats: CommStats | None) -> float:
     return math.nan if stats is None else float(stats.total_bytes)
 
@@ -335,11 +247,6 @@ def _comm_bytes(stats: CommStats | None) -> float:
 def _per_step(num_bytes: float, num_steps: int) -> float:
     """Payload bytes all-reduced per optimizer step (NaN, i.e. null, when not counted)."""
     return num_bytes / num_steps if num_steps else math.nan
-
-
-def _append_metrics(output_dir: Path, record: dict) -> None:
-    with (output_dir / "metrics.jsonl").open("a") as handle:
-        handle.write(json.dumps({k: _finite_or_none(v) for k, v in record.items()}) + "\n")
 
 
 def train_mnist(config: TrainConfig, runtime: Runtime, source: DataSource) -> dict:
@@ -398,7 +305,7 @@ def train_mnist(config: TrainConfig, runtime: Runtime, source: DataSource) -> di
     if config.resume:
         path = None if config.resume == "auto" else config.resume
         step = ckpt.resume(**state, path=path, extra=settings)
-    _reset_outputs(output_dir, runtime, train_loader.epoch if step else None)
+    reset_outputs(output_dir, runtime, train_loader.epoch if step else None)
     guard = None if config.on_nonfinite == "off" else NonFiniteGuard(runtime, config.on_nonfinite)
     averager = optimizer.averager if optimizer is not inner_optimizer else None  # local SGD
     first_step = step
@@ -467,7 +374,7 @@ def train_mnist(config: TrainConfig, runtime: Runtime, source: DataSource) -> di
             record["samples_per_s"],
         )  # fmt: skip
         if runtime.is_rank_zero:
-            _append_metrics(output_dir, record)
+            append_metrics(output_dir, record)
     if test is None:  # resumed from a checkpoint taken at the very end: evaluate it
         test = evaluate(model, test_loader, runtime)
     summary = {
@@ -484,11 +391,11 @@ def train_mnist(config: TrainConfig, runtime: Runtime, source: DataSource) -> di
         "dataset": source.dataset,
         "comm_bytes_per_step": _per_step(_comm_bytes(comm_stats), step - first_step),
     }
-    summary = {k: _finite_or_none(v) if isinstance(v, float) else v for k, v in summary.items()}
+    summary = {k: finite_or_none(v) if isinstance(v, float) else v for k, v in summary.items()}
     summary["config"] = asdict(config)
     if runtime.is_rank_zero:
         torch.save(model_state_dict(model), output_dir / ".model.pt.tmp")
         os.replace(output_dir / ".model.pt.tmp", output_dir / "model.pt")
-        _write_json_atomic(output_dir / "summary.json", summary)
+        write_json_atomic(output_dir / "summary.json", summary)
         log.info("wrote %s (metrics.jsonl, summary.json, model.pt)", output_dir)
     return summary
