@@ -99,3 +99,17 @@ def test_job_listens_on_loopback_only_and_refuses_a_wrong_token(tmp_path):
     assert job.returncode == 0, out + err
     assert "rank 0 sum 3.0" in out and "rank 1 sum 3.0" in out  # the job was not disturbed
     assert TOKEN not in out + err
+
+
+def test_bad_token_settings_are_refused_before_any_worker_starts(tmp_path):
+    script = tmp_path / "job.py"
+    script.write_text("raise SystemExit('a worker started')\n")
+    (tmp_path / "empty").write_text("")
+    for env in (
+        {"DDPKIT_JOB_TOKEN": "short-secret"},
+        {"DDPKIT_JOB_TOKEN_FILE": str(tmp_path / "empty")},
+    ):
+        result = run_cli(["-m", "ddpkit", "run", "-n", "2", str(script)], env=env, timeout_s=60)
+        assert result.returncode == 2, result.output
+        assert len(result.stderr.strip().splitlines()) == 1, result.stderr
+        assert "a worker started" not in result.output and "short-secret" not in result.output

@@ -67,6 +67,10 @@ def test_world_size_limit(monkeypatch):
     monkeypatch.setenv("DDPKIT_MAX_WORLD_SIZE", "2")
     with pytest.raises(ddpkit.ConfigError, match="world_size=4, DDPKIT_MAX_WORLD_SIZE=2"):
         ddpkit.init_runtime("gloo", info=_info(0, 4))
+    for bad in ("abc", "0", "\u00b2"):  # "²".isdigit() is True, int("²") fails
+        monkeypatch.setenv("DDPKIT_MAX_WORLD_SIZE", bad)
+        with pytest.raises(ddpkit.ConfigError, match="invalid DDPKIT_MAX_WORLD_SIZE"):
+            ddpkit.init_runtime("gloo", info=_info(0, 4))
 
 
 def test_token_settings_are_checked_without_showing_the_token(tmp_path):
@@ -74,10 +78,14 @@ def test_token_settings_are_checked_without_showing_the_token(tmp_path):
     assert load_token({"DDPKIT_JOB_TOKEN": TOKEN}) == TOKEN.encode()
     (tmp_path / "token").write_text(TOKEN + "\n")
     assert load_token({"DDPKIT_JOB_TOKEN_FILE": str(tmp_path / "token")}) == TOKEN.encode()
+    (tmp_path / "empty").write_text(" \n")
+    (tmp_path / "binary").write_bytes(b"\xff\xfe")
     for env, expected in (
         ({"DDPKIT_JOB_TOKEN": "short-secret"}, "job token too short: 12 bytes"),
         ({"DDPKIT_JOB_TOKEN_FILE": str(tmp_path / "missing")}, "cannot read the job token"),
         ({"DDPKIT_JOB_TOKEN": TOKEN, "DDPKIT_JOB_TOKEN_FILE": "x"}, "job token given twice"),
+        ({"DDPKIT_JOB_TOKEN_FILE": str(tmp_path / "empty")}, "empty job token"),  # never fail open
+        ({"DDPKIT_JOB_TOKEN_FILE": str(tmp_path / "binary")}, "not UTF-8 text"),
     ):
         with pytest.raises(ddpkit.ConfigError, match=expected) as caught:
             load_token(env)
@@ -93,6 +101,8 @@ def test_store_address_rules(monkeypatch):
     assert check_store_address("10.20.30.40", multi_node=True) == "10.20.30.40"
     monkeypatch.setenv("DDPKIT_MULTI_NODE", "1")
     assert check_store_address("10.20.30.40", multi_node=False) == "10.20.30.40"
+    with pytest.raises(ddpkit.ConfigError, match="refusing to listen on every interface"):
+        check_store_address("0.0.0.0", multi_node=True)
 
 
 def test_listener_is_bound_to_the_address_given():

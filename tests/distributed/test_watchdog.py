@@ -67,6 +67,33 @@ print("unreachable")
 """
 
 
+NESTED_SCRIPT = """
+import torch, torch.distributed as dist
+import ddpkit
+
+def spin_forever():
+    while True:
+        pass
+
+with ddpkit.init_runtime("gloo", train_timeout_s=600, stall_timeout_s=2) as rt:
+    with rt.watch("train step"):  # a user's block around ddpkit's own (nested) collective
+        ddpkit.all_reduce_sum([1.0], rt)
+        if rt.rank == 1:
+            spin_forever()
+        dist.all_reduce(torch.ones(1), group=rt.process_group)  # raw: watched by the block
+"""
+
+
+def test_nested_watch_keeps_the_outer_block_watched(tmp_path):
+    script = tmp_path / "nested.py"
+    script.write_text(textwrap.dedent(NESTED_SCRIPT))
+    result = run_cli(["-m", "ddpkit", "run", "-n", "2", str(script)], timeout_s=120)
+    assert result.returncode == 1, result.output
+    # both ranks are inside the block: the report (from whichever rank made it) shows the stacks
+    assert re.search(r"stall: rank \d waited \d+ s in train step", result.output), result.output
+    assert "in spin_forever" in result.output.split("stack of rank 1's training thread:")[1]
+
+
 def test_stuck_rank_is_named_with_its_stack(tmp_path):
     script = tmp_path / "stuck.py"
     script.write_text(textwrap.dedent(STUCK_SCRIPT))
@@ -94,7 +121,7 @@ def test_watchdog_costs_nothing_when_off():
             pass
 
 
-@pytest.mark.parametrize("bad", [0, -1.0, float("nan")])
+@pytest.mark.parametrize("bad", [0, -1.0, float("nan"), 1.5])  # 1.5: under two heartbeats
 def test_bad_stall_timeout_is_refused(bad):
     with pytest.raises(ddpkit.ConfigError, match="stall_timeout_s"):
         ddpkit.init_runtime("gloo", info=ProcessInfo(), stall_timeout_s=bad)

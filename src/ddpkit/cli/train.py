@@ -194,8 +194,10 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
             problems.append(f"--{name.replace('_', '-')} {value} must be a finite number > 0")
     if args.max_steps < 0:
         problems.append(f"--max-steps {args.max_steps} must be >= 0")
-    if not (math.isfinite(args.stall_timeout) and args.stall_timeout >= 0):
-        problems.append(f"--stall-timeout {args.stall_timeout} must be a finite number >= 0")
+    if not (
+        math.isfinite(args.stall_timeout) and (args.stall_timeout == 0 or args.stall_timeout >= 2)
+    ):
+        problems.append(f"--stall-timeout {args.stall_timeout} must be 0 (off) or >= 2 seconds")
     for name in ("checkpoint_every", "max_restarts", "check_replicas_every"):
         if getattr(args, name) < 0:
             problems.append(f"--{name.replace('_', '-')} {getattr(args, name)} must be >= 0")

@@ -38,6 +38,7 @@ import torch.distributed as dist
 
 from ddpkit.distributed.env import ProcessInfo
 from ddpkit.errors import ConfigError, DistributedError
+from ddpkit.log import get_logger
 
 PREFIX = "ddpkit/watchdog"
 MAX_STACK_FRAMES = 12
@@ -110,7 +111,7 @@ class Watchdog:
             prints it, records it and ends the process (exit status 1).
 
     Raises:
-        ConfigError: ``stall_timeout_s`` or ``interval_s`` not positive.
+        ConfigError: ``interval_s`` not positive, or ``stall_timeout_s`` below two intervals.
     """
 
     def __init__(
@@ -121,10 +122,11 @@ class Watchdog:
         interval_s: float = 1.0,
         on_stall: Callable[[StallReport], None] | None = None,
     ) -> None:
-        if not stall_timeout_s > 0 or not interval_s > 0:
+        if not interval_s > 0 or not stall_timeout_s >= 2 * interval_s:
             raise ConfigError(
                 f"invalid watchdog timing: stall_timeout_s={stall_timeout_s!r}, "
-                f"interval_s={interval_s!r}. Both must be positive seconds, e.g. 300 and 1."
+                f"interval_s={interval_s!r}. The stall timeout must be at least two heartbeat "
+                "intervals, e.g. 300 and 1."
             )
         self.info = info
         self.stall_timeout_s = float(stall_timeout_s)
@@ -132,8 +134,10 @@ class Watchdog:
         self.on_stall = on_stall or self._report_and_exit
         self._store = dist.PrefixStore(PREFIX, store)
         self._thread_id = threading.get_ident()
+        self._seq = 0  # watched collectives entered so far
         self._current: tuple[int, str, float | None] = (0, "", None)  # seq, op, entered (mono)
         self._answered_dump = self._fired = False
+        self._checked_seq = 0  # the last collective diagnosed without a late rank
         self._abort_seen_at: float | None = None
         self._beats: dict[int, dict] = {}  # rank -> its latest heartbeat
         self._heard_at: dict[int, float] = {}  # rank -> local monotonic time of its last new beat
@@ -158,12 +162,16 @@ class Watchdog:
         Every rank must enter the same watched collectives in the same order (as collectives
         require anyway); the numbering is how ranks are compared.
         """
-        seq = self._current[0] + 1
-        self._current = (seq, op, time.monotonic())
+        self._seq += 1
+        outer = self._current
+        self._current = (self._seq, op, time.monotonic())
         try:
             yield
         finally:
-            self._current = (seq, op, None)
+            # Back in an enclosing watched block, its wait starts again now (the inner call
+            # was progress); the number stays the newest, so ranks still compare in order.
+            restart = time.monotonic() if outer[2] is not None else None
+            self._current = (self._seq, outer[1] if restart else op, restart)
 
     # --- background thread --------------------------------------------------------------------
     def _run(self) -> None:
@@ -195,11 +203,30 @@ class Watchdog:
             self._store.set(f"stack/{self.info.rank}", main_thread_stack(self._thread_id))
         if self._store.check(["abort"]) and not self._fired:
             self._follow_abort()
-        if entered is not None and not self._fired:
+        if entered is not None and not self._fired and seq != self._checked_seq:
             waited = time.monotonic() - entered
             if waited > self.stall_timeout_s:
-                self._fired = True
-                self.on_stall(self._diagnose(seq, op, waited))
+                self._handle_stall(self._diagnose(seq, op, waited))
+
+    def _handle_stall(self, report: StallReport) -> None:
+        """Fail with the report, unless the wait ended while it was being made (a slow
+        collective: warned once), or another rank already reports (it tells us to stop).
+
+        With no late rank by position (every rank inside the same block, e.g. one spinning in
+        Python inside a watched block) it still fails: the stacks show who is where.
+        """
+        seq, _, entered = self._current
+        if seq != report.seq or entered is None:
+            self._checked_seq = report.seq
+            get_logger("watchdog").warning(
+                "slow collective: %s waited %.0f s (stall timeout %g s) and then finished",
+                report.op, report.waited_s, self.stall_timeout_s,
+            )  # fmt: skip
+            return
+        self._fired = True
+        mine = str(self.info.rank)
+        if self._store.compare_set("reporter", "", mine).decode() == mine:
+            self.on_stall(report)
 
     def _follow_abort(self) -> None:
         """Another rank reported a stall: answer its stack request, then stop after a grace."""
@@ -247,10 +274,12 @@ class Watchdog:
                 continue
             beat = self._beats.get(rank, {})
             where = f" ({beat['host']} pid {beat['pid']})" if beat else ""
-            when = "ever" if age is None else f"for {age:.0f} s"
-            parts.append(f"no heartbeat from rank {rank} {when}{where}")
+            if age is None:
+                parts.append(f"no heartbeat ever seen from rank {rank}")
+            else:
+                parts.append(f"no heartbeat from rank {rank} for {age:.0f} s{where}")
         store_silent_s = time.monotonic() - self._store_ok_at
-        if store_silent_s > silent_after_s:
+        if store_silent_s > silent_after_s and not self._fired:  # (busy reporting, not lost)
             parts.append(f"the rendezvous store has not answered for {store_silent_s:.0f} s")
         return "; ".join(parts) or "every rank's heartbeat is recent"
 

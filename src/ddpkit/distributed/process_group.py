@@ -41,6 +41,7 @@ from ddpkit.errors import ConfigError, DistributedError
 from ddpkit.security.token import load_token
 
 BACKENDS = ("auto", "gloo", "nccl")
+MIN_STALL_TIMEOUT_S = 2.0  # two heartbeats of the watchdog (1 s apart)
 
 
 def resolve_backend(backend: str, info: ProcessInfo) -> str:
@@ -264,6 +265,11 @@ def init_runtime(
     _check_timeouts(init_timeout_s=init_timeout_s, train_timeout_s=train_timeout_s)
     if stall_timeout_s is not None:
         _check_timeouts(stall_timeout_s=stall_timeout_s)
+        if stall_timeout_s < MIN_STALL_TIMEOUT_S:
+            raise ConfigError(
+                f"invalid timeout: stall_timeout_s={stall_timeout_s!r} is under two watchdog "
+                f"heartbeats. Pass at least {MIN_STALL_TIMEOUT_S:g} seconds, e.g. 300."
+            )
     info = info or detect_process_info()
     check_world_size_limit(info)
     chosen = resolve_backend(backend, info)

@@ -123,7 +123,10 @@ def _duplicate_error(rank: int, claims: str) -> DistributedError:
     )
 
 
-def _refused(info: ProcessInfo, why: str) -> DistributedError:
+def _refused(store: dist.Store, info: ProcessInfo, why: str) -> DistributedError:
+    """The refusal, also left in the store so the ranks that wait can say why one is missing."""
+    who = f"{socket.gethostname()} pid {os.getpid()}"
+    store.set(f"{PREFIX}/refused/{info.rank}", f"{who}: {why.split('. ')[0]}")
     return DistributedError(f"refused to join as rank {info.rank}: {why}.")
 
 
@@ -137,7 +140,7 @@ def check_world_size_limit(info: ProcessInfo, environ: dict[str, str] | None = N
     raw = env.get(MAX_WORLD_SIZE_ENV, "")
     if not raw:
         return
-    if not raw.isdigit() or int(raw) < 1:
+    if not (raw.isascii() and raw.isdigit()) or int(raw) < 1:
         raise ConfigError(f"invalid {MAX_WORLD_SIZE_ENV}={raw!r}: expected an integer >= 1.")
     if info.world_size > int(raw):
         raise ConfigError(
@@ -159,25 +162,28 @@ def _job_record(store: dist.Store, info: ProcessInfo, token: bytes | None) -> di
     job = json.loads(store.compare_set(f"{PREFIX}/job", "", mine).decode())
     if job["world_size"] != info.world_size:
         raise _refused(
+            store,
             info,
             f"this job has world_size={job['world_size']} but this process has "
             f"world_size={info.world_size}. Start every rank with the same world size",
         )
     if job["verifier"] and token is None:
         raise _refused(
+            store,
             info,
             f"this job requires a job token. Set {TOKEN_ENV} or {TOKEN_FILE_ENV} (the same "
             "token on every rank)",
         )
     if token is not None and not job["verifier"]:
         raise _refused(
+            store,
             info,
             "this process has a job token but the job was started without one. Give every "
             "rank the same token, or none",
         )
     if token is not None and not same(mac(token, job["challenge"], "verify"), job["verifier"]):
         raise _refused(
-            info, f"the job token ({TOKEN_ENV}/{TOKEN_FILE_ENV}) does not match this job's"
+            store, info, f"the job token ({TOKEN_ENV}/{TOKEN_FILE_ENV}) does not match this job's"
         )
     return job
 
@@ -249,4 +255,7 @@ def join(
 def _who_joined(store: dist.Store, info: ProcessInfo) -> str:
     missing = [r for r in range(info.world_size) if not store.check([f"{PREFIX}/rank/{r}"])]
     joined = info.world_size - len(missing)
-    return f"{joined} of {info.world_size} ranks joined (missing {format_ranks(missing)})"
+    text = f"{joined} of {info.world_size} ranks joined (missing {format_ranks(missing)})"
+    refused = [r for r in missing if store.check([f"{PREFIX}/refused/{r}"])]
+    notes = [f"rank {r}: refused ({store.get(f'{PREFIX}/refused/{r}').decode()})" for r in refused]
+    return "; ".join([text, *notes])

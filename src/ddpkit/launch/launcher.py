@@ -24,6 +24,8 @@ import time
 import uuid
 from dataclasses import dataclass
 
+from ddpkit.distributed.env import ProcessInfo
+from ddpkit.distributed.rendezvous import check_world_size_limit
 from ddpkit.errors import ConfigError
 from ddpkit.launch.failures import LAUNCHER_PID_ENV, RUN_DIR_ENV, FailureRecord, read_records
 from ddpkit.launch.network import (
@@ -33,6 +35,7 @@ from ddpkit.launch.network import (
     tls_environment,
 )
 from ddpkit.security.bind import MULTI_NODE_ENV
+from ddpkit.security.token import load_token
 
 WORKER_MODULE = "ddpkit.launch.worker"
 AGENT_STORE_TIMEOUT_S = 10
@@ -144,7 +147,6 @@ def torchrun_argv(spec: LaunchSpec, plan: NetworkPlan, run_id: str) -> list[str]
     """
     return [
         f"--nnodes={spec.nnodes}",
-        f"--node-rank={spec.node_rank}",
         "--rdzv-backend=c10d",
         f"--rdzv-endpoint={plan.endpoint_host}:{plan.endpoint_port}",
         f"--rdzv-id={run_id}",
@@ -186,8 +188,12 @@ def summarize_failure(
     recorded = {r.rank for r in records}
     unrecorded = {rank: code for rank, code in exit_codes.items() if rank not in recorded}
     signals = {rank: signal.Signals(-code).name for rank, code in unrecorded.items() if code < 0}
-    # SIGTERM is how torchrun stops the survivors; count it as a cause only if nothing else is.
-    crashed = {rank: name for rank, name in signals.items() if name != "SIGTERM"}
+    # SIGTERM is how torchrun stops the survivors (SIGKILL when they do not stop); count it as
+    # a cause only if nothing else is. After a watchdog report, every signal is that stop.
+    stopping = (
+        {"SIGTERM", "SIGKILL"} if any(r.type == "StallError" for r in records) else {"SIGTERM"}
+    )
+    crashed = {rank: name for rank, name in signals.items() if name not in stopping}
     if not crashed and not records:
         crashed = signals
     for rank, name in sorted(crashed.items()):
@@ -222,13 +228,18 @@ def launch(spec: LaunchSpec) -> int:
         stderr); 128 + the signal number when the launcher itself was stopped by a signal.
 
     Raises:
-        ConfigError: an invalid :class:`LaunchSpec`.
+        ConfigError: an invalid :class:`LaunchSpec`; a bad job token setting or a world size
+            above ``DDPKIT_MAX_WORLD_SIZE``; an address this node cannot use.
     """
     validate_spec(spec)
     from torch.distributed import run as torchrun
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.elastic.rendezvous.api import RendezvousError
 
+    # settings every worker would check: refused here, once, before anything starts
+    load_token()
+    check_world_size_limit(ProcessInfo(world_size=spec.world_size))
     plan = plan_network(spec)
     tls_env = tls_environment(spec)
     run_dir = tempfile.mkdtemp(prefix="ddpkit-run-")
@@ -257,6 +268,15 @@ def launch(spec: LaunchSpec) -> int:
         codes = {rank: failure.exitcode for rank, failure in exc.failures.items()}
         for line in summarize_failure(records, codes, spec):
             print(line, file=sys.stderr)
+        return 1
+    except RendezvousError as exc:  # this node's agent could not join (several nodes)
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        print(
+            f"ddpkit run: cannot join the rendezvous at {plan.endpoint_host}:"
+            f"{plan.endpoint_port}: {first}. Check that node 0 runs ddpkit run with the same "
+            "--rdzv-endpoint and --rdzv-id, and that this node can reach that address.",
+            file=sys.stderr,
+        )
         return 1
     except SignalException as exc:  # SIGTERM, SIGHUP, ... sent to the launcher
         print(f"ddpkit run: stopped by {exc.sigval.name}; all workers stopped.", file=sys.stderr)

@@ -56,9 +56,9 @@ def listening_socket(host: str, port: int, backlog: int = 1024) -> socket.socket
         sock.close()
         if exc.errno == errno.EADDRINUSE:
             raise ConfigError(
-                f"cannot start the rendezvous store: port {port} on {host} is already in use "
-                "(MASTER_PORT). Pick another free port, or launch with `ddpkit run`, which "
-                "lets the system pick one."
+                f"cannot start the rendezvous store: port {port} on {host} is already in use. "
+                "Pick another free port (MASTER_PORT, or the port of --rdzv-endpoint); on one "
+                "node `ddpkit run` lets the system pick one."
             ) from None
         raise ConfigError(
             f"cannot listen on {host}:{port} ({address}): {exc.strerror}. The store's address "
@@ -106,15 +106,23 @@ def local_address_towards(host: str, port: int) -> str:
 def check_store_address(host: str, multi_node: bool) -> str:
     """Apply the address rules to the store's ``host``; returns its IPv4 address.
 
-    A single-node job must use a loopback address, so nothing outside this machine can reach
-    it. A non-loopback address is allowed only when several nodes are asked for explicitly
-    (``multi_node``, or ``DDPKIT_MULTI_NODE=1``); a public address then gets a warning.
+    The unspecified address (0.0.0.0: every interface) is always refused. A single-node job
+    must use a loopback address, so nothing outside this machine can reach it. A non-loopback
+    address is allowed only for several nodes (``multi_node``: ``ddpkit run --nnodes``, or a
+    world size above the local world size as torchrun and Slurm set it; or
+    ``DDPKIT_MULTI_NODE=1``); a public address then gets a warning.
 
     Raises:
-        ConfigError: a non-loopback address for a single-node job.
+        ConfigError: the unspecified address; a non-loopback address for a single-node job.
     """
     address = resolve_ipv4(host)
     ip = ipaddress.ip_address(address)
+    if ip.is_unspecified:
+        raise ConfigError(
+            f"refusing to listen on every interface: {host} ({address}) is the unspecified "
+            "address. Give the one address of this machine the other nodes use, e.g. "
+            "10.0.0.1, or 127.0.0.1 for one node."
+        )
     multi_node = multi_node or os.environ.get(MULTI_NODE_ENV) == "1"
     if not ip.is_loopback and not multi_node:
         raise ConfigError(

@@ -35,8 +35,8 @@ def load_token(environ: dict[str, str] | None = None) -> bytes | None:
     """The job token from the environment, or ``None`` when the job has none.
 
     Raises:
-        ConfigError: both variables are set; the file is missing or unreadable; the token is
-            shorter than 16 bytes. (The message never contains the token.)
+        ConfigError: both variables are set; the file is missing, unreadable, not text or
+            empty; the token is shorter than 16 bytes. (The message never contains the token.)
     """
     env = os.environ if environ is None else environ
     value, path = env.get(TOKEN_ENV), env.get(TOKEN_FILE_ENV)
@@ -46,12 +46,18 @@ def load_token(environ: dict[str, str] | None = None) -> bytes | None:
         )
     if path:
         try:
-            value = Path(path).read_text().strip()
-        except OSError as exc:
+            value = Path(path).read_text(encoding="utf-8").strip()
+        except (OSError, UnicodeDecodeError) as exc:
+            why = exc.strerror if isinstance(exc, OSError) else "not UTF-8 text"
             raise ConfigError(
-                f"cannot read the job token: {TOKEN_FILE_ENV}={path}: {exc.strerror}. Point it "
-                "at a readable file holding the token."
+                f"cannot read the job token: {TOKEN_FILE_ENV}={path}: {why}. Point it at a "
+                "readable text file holding the token."
             ) from None
+        if not value:  # never fail open: a token was asked for
+            raise ConfigError(
+                f"empty job token: {TOKEN_FILE_ENV}={path} holds no token. Write the token into "
+                'it (python -c "import secrets; print(secrets.token_hex(32))"), or unset it.'
+            )
     if not value:
         return None
     token = value.encode()
