@@ -117,6 +117,29 @@ def all_reduce_sum(values: Sequence[float] | torch.Tensor, runtime: Runtime) -> 
     return all_reduce(tensor.cpu(), runtime)
 
 
+def gather_per_rank(values: Sequence[float], runtime: Runtime) -> torch.Tensor:
+    """Every rank's ``values``, row by rank: how ranks compare counters, flags and scales.
+
+    Collective: call on every rank with the same number of values (one all-reduce of
+    ``world_size * k`` floats; each rank fills its own row). At world size 1 it returns the
+    values as one row.
+
+    Args:
+        values: shape ``(k,)``; this rank's numbers.
+        runtime: the job's :class:`Runtime`.
+
+    Returns:
+        Shape ``(world_size, k)``, dtype float64, on CPU; row ``r`` holds rank ``r``'s values.
+
+    Example:
+        >>> steps = gather_per_rank([step], runtime)[:, 0].tolist()   # doctest: +SKIP
+    """
+    row = torch.as_tensor(values, dtype=torch.float64).reshape(-1)
+    table = torch.zeros(runtime.world_size, row.numel(), dtype=torch.float64)
+    table[runtime.rank] = row
+    return all_reduce(table, runtime)
+
+
 def barrier(runtime: Runtime) -> None:
     """Wait until every rank reaches this call. Collective. A no-op at world size 1."""
     if runtime.process_group is not None:

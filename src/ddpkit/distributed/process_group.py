@@ -33,9 +33,9 @@ from ddpkit.diagnostics.watchdog import Watchdog
 from ddpkit.distributed.env import ProcessInfo, detect_process_info
 from ddpkit.distributed.rendezvous import (
     check_world_size_limit,
+    connect_store,
     join,
     make_store,
-    translate_store_error,
 )
 from ddpkit.errors import ConfigError, DistributedError
 from ddpkit.security.token import load_token
@@ -206,16 +206,7 @@ def _attempt_store(info: ProcessInfo, timeout_s: float) -> dist.Store:
     """
     attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
     host, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
-    try:
-        client = dist.TCPStore(
-            host,
-            port,
-            info.world_size,
-            is_master=False,
-            timeout=datetime.timedelta(seconds=timeout_s),
-        )
-    except dist.DistNetworkError as exc:
-        raise translate_store_error(exc, host, port, False, timeout_s) from None
+    client = connect_store(host, port, info.world_size, timeout_s)
     return dist.PrefixStore(f"ddpkit/attempt_{attempt}", client)
 
 

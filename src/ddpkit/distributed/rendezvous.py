@@ -67,48 +67,39 @@ def make_store(info: ProcessInfo, timeout_s: float) -> dist.TCPStore:
         DistributedError: a rank cannot reach the store within ``timeout_s``.
     """
     host, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
-    is_master = info.rank == 0
-    timeout = datetime.timedelta(seconds=timeout_s)
-    try:
-        if not is_master:
-            return dist.TCPStore(host, port, info.world_size, is_master=False, timeout=timeout)
-        check_store_address(host, multi_node=info.world_size > info.local_world_size)
-        listener = listening_socket(host, port)
-        return dist.TCPStore(
-            host,
-            port,
-            info.world_size,
-            is_master=True,
-            timeout=timeout,
-            wait_for_workers=False,  # join() waits, and says who is missing
-            master_listen_fd=listener.detach(),  # the store owns the bound socket from here
-            use_libuv=True,
-        )
-    except dist.DistNetworkError as exc:
-        raise translate_store_error(exc, host, port, is_master, timeout_s) from None
-
-
-def translate_store_error(
-    exc: BaseException, host: str, port: int, is_master: bool, timeout_s: float
-) -> Exception:
-    """The one-line ddpkit error for a TCPStore that could not listen or connect."""
-    text = str(exc)
-    if is_master and ("EADDRINUSE" in text or "address already in use" in text.lower()):
-        return ConfigError(
-            f"cannot start the rendezvous store: port {port} on {host} is already in use "
-            "(MASTER_PORT). Pick another free port, or launch with `ddpkit run`, which lets the "
-            "system pick one."
-        )
-    if is_master:
-        return DistributedError(
-            f"cannot start the rendezvous store on {host}:{port}: {text.splitlines()[0]}. Check "
-            "that MASTER_ADDR is an address of this machine (rank 0 serves the store)."
-        )
-    return DistributedError(
-        f"cannot reach the rendezvous store at {host}:{port} (MASTER_ADDR:MASTER_PORT) within "
-        f"{timeout_s:g} s. Check that rank 0 is running and started first, that {host} is rank "
-        f"0's address as seen from this machine, and that no firewall blocks port {port}."
+    if info.rank != 0:
+        return connect_store(host, port, info.world_size, timeout_s)
+    check_store_address(host, multi_node=info.world_size > info.local_world_size)
+    listener = listening_socket(host, port)
+    return dist.TCPStore(
+        host,
+        port,
+        info.world_size,
+        is_master=True,
+        timeout=datetime.timedelta(seconds=timeout_s),
+        wait_for_workers=False,  # join() waits, and says who is missing
+        master_listen_fd=listener.detach(),  # the store owns the bound socket from here
+        use_libuv=True,
     )
+
+
+def connect_store(host: str, port: int, world_size: int, timeout_s: float) -> dist.TCPStore:
+    """A client of the TCPStore at ``host:port``, retrying until ``timeout_s``.
+
+    Raises:
+        DistributedError: the store cannot be reached in time (one line: what to check).
+    """
+    try:
+        return dist.TCPStore(
+            host, port, world_size, is_master=False, timeout=datetime.timedelta(seconds=timeout_s)
+        )
+    except dist.DistNetworkError:
+        raise DistributedError(
+            f"cannot reach the rendezvous store at {host}:{port} (MASTER_ADDR:MASTER_PORT) "
+            f"within {timeout_s:g} s. Check that rank 0 is running and started first, that "
+            f"{host} is rank 0's address as seen from this machine, and that no firewall blocks "
+            f"port {port}."
+        ) from None
 
 
 def _owner(claim: str) -> str:

@@ -11,6 +11,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from ddpkit.distributed.collectives import gather_per_rank
 from ddpkit.distributed.process_group import Runtime
 from ddpkit.errors import DistributedError
 
@@ -69,17 +70,10 @@ class NonFiniteGuard:
             NonFiniteError: in ``raise`` mode, when any rank is non-finite.
             DistributedError: the ranks passed different ``step`` values.
         """
-        world, rank = self.runtime.world_size, self.runtime.rank
-        # slots [0, world): 2 = loss non-finite, 1 = gradients only; [world, 2 world): steps
-        report = torch.zeros(2 * world, dtype=torch.float64)
-        report[rank] = float(_local_nonfinite(loss, model))
-        report[world + rank] = float(step)
-        if self.runtime.process_group is not None:
-            report = report.to(self.runtime.device)
-            with self.runtime.watch("non-finite guard all_reduce"):
-                dist.all_reduce(report, group=self.runtime.process_group)
-            report = report.cpu()
-        steps = [int(s) for s in report[world:].tolist()]
+        world = self.runtime.world_size
+        # per rank: [2 = loss non-finite, 1 = gradients only, 0 = finite; step counter]
+        table = gather_per_rank([_local_nonfinite(loss, model), step], self.runtime)
+        report, steps = table[:, 0].tolist(), [int(s) for s in table[:, 1].tolist()]
         if len(set(steps)) > 1:
             listing = ", ".join(f"rank {r} at step {s}" for r, s in enumerate(steps))
             raise DistributedError(

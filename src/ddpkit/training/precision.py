@@ -30,7 +30,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from ddpkit.distributed.collectives import all_reduce_sum
+from ddpkit.distributed.collectives import gather_per_rank
 from ddpkit.distributed.process_group import Runtime
 from ddpkit.errors import ConfigError, DistributedError
 
@@ -160,12 +160,8 @@ class MixedPrecision:
         grads = [p.grad for p in params if p.grad is not None]
         sums = [g.detach().sum(dtype=torch.float64) for g in grads]  # inf/NaN survive a sum
         local_overflow = bool(sums) and not math.isfinite(float(torch.stack(sums).sum()))
-        world_size, rank = self.runtime.world_size, self.runtime.rank
-        report = [0.0] * (world_size + 1)  # [overflow count, scale of rank 0, rank 1, ...]
-        report[0] = float(local_overflow)
-        report[1 + rank] = float(self.scaler.get_scale())
-        summed = all_reduce_sum(report, self.runtime).tolist()
-        scales = summed[1:]
+        table = gather_per_rank([local_overflow, self.scaler.get_scale()], self.runtime)
+        scales = table[:, 1].tolist()
         if len(set(scales)) > 1:
             listing = ", ".join(f"rank {r} {s:g}" for r, s in enumerate(scales))
             raise DistributedError(
@@ -173,7 +169,7 @@ class MixedPrecision:
                 "same GradScaler state (same init_scale, or the same checkpoint); a rank-"
                 "dependent scale would step some ranks and skip others."
             )
-        overflow = summed[0] > 0
+        overflow = bool(table[:, 0].any())
         if overflow and not local_overflow and grads:
             with torch.no_grad():  # let torch's own scaler skip and back off, as on the others
                 grads[0].view(-1)[0] = math.inf

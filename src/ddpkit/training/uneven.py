@@ -26,7 +26,7 @@ from torch import nn
 from torch.distributed.algorithms import Join
 from torch.nn.parallel import DistributedDataParallel
 
-from ddpkit.distributed.collectives import all_reduce_sum
+from ddpkit.distributed.collectives import gather_per_rank
 from ddpkit.distributed.process_group import Runtime
 from ddpkit.errors import ConfigError, DistributedError
 
@@ -53,9 +53,7 @@ def verify_even_batches(num_batches: int, runtime: Runtime) -> None:
     """
     if runtime.world_size == 1:
         return
-    report = [0.0] * runtime.world_size
-    report[runtime.rank] = float(num_batches)
-    counts = [int(c) for c in all_reduce_sum(report, runtime).tolist()]
+    counts = [int(c) for c in gather_per_rank([num_batches], runtime)[:, 0].tolist()]
     if len(set(counts)) > 1:
         listing = ", ".join(f"rank {r} has {c} batches" for r, c in enumerate(counts))
         raise UnevenInputsError(
