@@ -18,7 +18,9 @@ class OneLineParser(argparse.ArgumentParser):
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from ddpkit.cli import bench as bench_cmd
     from ddpkit.cli import doctor as doctor_cmd
+    from ddpkit.cli import plot as plot_cmd
     from ddpkit.cli import run as run_cmd
     from ddpkit.cli import train as train_cmd
 
@@ -27,7 +29,7 @@ def build_parser() -> argparse.ArgumentParser:
         description="PyTorch distributed data-parallel training, correct by default.",
     )
     subparsers = parser.add_subparsers(dest="command", required=True, parser_class=OneLineParser)
-    for module in (train_cmd, run_cmd, doctor_cmd):
+    for module in (train_cmd, run_cmd, doctor_cmd, bench_cmd, plot_cmd):
         module.add_parser(subparsers)
     parser.set_defaults(subcommand_parsers=subparsers.choices)
     return parser

@@ -1,0 +1,15 @@
+"""Placeholder: `ddpkit bench scaling` is being built (issue 7)."""
+
+from __future__ import annotations
+
+import argparse
+
+from ddpkit.errors import ConfigError
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    del parser
+
+
+def run(args: argparse.Namespace) -> int:
+    raise ConfigError("ddpkit bench scaling is not built yet")
