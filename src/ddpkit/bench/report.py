@@ -58,15 +58,11 @@ def format_table(rows: Sequence[dict], columns: Sequence[tuple[str, str, str]]) 
     cells = [[header for _, header, _ in columns]]
     for row in rows:
         cells.append(
-            [
-                "-" if row.get(key) is None else format(row[key], spec)
-                for key, _, spec in columns
-            ]
+            ["-" if row.get(key) is None else format(row[key], spec) for key, _, spec in columns]
         )
     widths = [max(len(line[i]) for line in cells) for i in range(len(columns))]
-    return "\n".join(
-        "  ".join(cell.rjust(width) for cell, width in zip(line, widths, strict=True)) for line in cells
-    )
+    lines = (zip(line, widths, strict=True) for line in cells)
+    return "\n".join("  ".join(cell.rjust(width) for cell, width in line) for line in lines)
 
 
 def _write_atomic(path: Path, text: str) -> None:
