@@ -46,6 +46,7 @@ def _worker(
     pg_timeout_s: float,
     init: bool,
     env: dict[str, str],
+    backend: str = "gloo",
 ) -> None:
     from ddpkit.launch.worker import shutdown_and_exit
 
@@ -66,7 +67,7 @@ def _worker(
 
         store = dist.FileStore(os.path.join(workdir, "store"), world_size)
         if init:
-            with init_runtime("gloo", pg_timeout_s, pg_timeout_s, store=store) as runtime:
+            with init_runtime(backend, pg_timeout_s, pg_timeout_s, store=store) as runtime:
                 outcome = ("ok", fn(runtime, *args))
         else:
             outcome = ("ok", fn(store, *args))
@@ -99,14 +100,15 @@ def run_distributed(
     init: bool = True,
     env: dict[str, str] | None = None,
     start_method: str = "spawn",
+    backend: str = "gloo",
 ) -> list[Any]:
     """Run ``fn`` on ``world_size`` spawned ranks and return each rank's result.
 
     Args:
         fn: a module-level function. With ``init`` it is called as ``fn(runtime, *args)`` inside
-            a gloo :class:`~ddpkit.Runtime`; without, as ``fn(store, *args)`` with the rank
-            variables set and a shared ``FileStore`` to rendezvous through (to test code that
-            initialises the group itself).
+            a :class:`~ddpkit.Runtime` (gloo unless ``backend`` says otherwise); without, as
+            ``fn(store, *args)`` with the rank variables set and a shared ``FileStore`` to
+            rendezvous through (to test code that initialises the group itself).
         world_size: number of ranks (processes).
         args: picklable extra arguments.
         timeout_s: the harness limit for the whole run, in seconds; every rank is killed then.
@@ -115,6 +117,9 @@ def run_distributed(
         env: extra environment variables for every rank.
         start_method: ``spawn`` (default, always safe) or ``forkserver``/``fork``; ``fork`` is
             refused once CUDA is initialised in this process.
+        backend: the process group's backend with ``init``: ``gloo`` (default), ``nccl`` (one
+            CUDA device per rank, ``cuda:<rank>``) or ``auto`` (see
+            :func:`ddpkit.distributed.process_group.resolve_backend`).
 
     Returns:
         ``[result of rank 0, result of rank 1, ...]`` (results must be picklable).
@@ -132,7 +137,7 @@ def run_distributed(
     procs = [
         ctx.Process(
             target=_worker,
-            args=(fn, args, rank, world_size, workdir, pg_timeout_s, init, env or {}),
+            args=(fn, args, rank, world_size, workdir, pg_timeout_s, init, env or {}, backend),
             name=f"rank{rank}",
         )
         for rank in range(world_size)
