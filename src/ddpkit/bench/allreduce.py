@@ -1,27 +1,24 @@
 """All-reduce time, algorithm bandwidth and bus bandwidth per message size (nccl-tests convention).
 
-    ddpkit bench allreduce                                 # 2 ranks, 4 KiB .. 256 MiB, backend auto
+    ddpkit bench allreduce                      # 2 ranks, 4 KiB .. 256 MiB by x2, backend auto
     ddpkit bench allreduce --nproc 3 -b 1M -e 64M --csv ar.csv --json ar.json
 
-For each message size of ``bytes`` bytes (``--min-bytes``, ``min*factor``, ... up to
-``--max-bytes``, as nccl-tests' ``-b/-e/-f``), every rank fills its buffer with ``rank + 1`` and
-one all-reduce (sum) is checked to give ``n(n+1)/2`` everywhere; then ``--warmup`` untimed ops,
-then up to ``--iters`` ops each timed on its own (ranks lined up by a one-element all-reduce
-before each op; ``torch.cuda.synchronize`` around the timed op on CUDA). Per op the slowest rank's
-time counts (that is what the job waits for); ``time`` is the median of those over the repeats.
-Repeats of a size are capped so that a size takes about ``--budget-s`` seconds (at least
-``MIN_REPEATS`` repeats; the table's ``repeats`` column says how many ran).
+Per message size (--min-bytes, min*factor, ... up to --max-bytes, like nccl-tests -b/-e/-f):
+every rank fills its buffer with rank+1 and one all-reduce (sum) is checked to give n(n+1)/2 in
+every element; then --warmup untimed ops, then up to --iters ops, each timed on its own (the ranks
+lined up by a one-element all-reduce before each; torch.cuda.synchronize around it on CUDA). Per
+op the slowest rank's time counts (that is what the job waits for); time = the median over the
+repeats. Time budget: a size whose ops are slow gets fewer repeats, about --budget-s seconds'
+worth, never under 3 (column "repeats"); the default run takes about 30 s on 2 CPU ranks.
 
-Formulas (nccl-tests ``doc/PERFORMANCE.md``), with ``n`` the world size:
-
-- ``algbw_gbps = bytes / time_s / 1e9`` (GB/s, 1 GB = 1e9 bytes);
-- ``busbw_gbps = algbw_gbps * 2 * (n - 1) / n``: the all-reduce bus bandwidth, comparable across
-  world sizes and with the hardware's link bandwidth;
-- ``busbw_frac_memcpy = busbw_gbps / memcpy_gbps``: ``memcpy_gbps`` is the median rate of
-  ``dst.copy_(src)`` for one buffer of ``--max-bytes`` bytes on the device the ranks use
-  (``cuda:0`` with nccl, else the CPU, with this process's torch threads), measured before the
-  ranks start. It counts the bytes of ONE buffer per copy; the memory traffic is twice that
-  (read ``src`` + write ``dst``). It is the reference limit for ranks sharing one machine's memory.
+Formulas (nccl-tests doc/PERFORMANCE.md), n = world size, 1 GB = 1e9 bytes:
+  algbw_gbps = bytes / time_s / 1e9
+  busbw_gbps = algbw_gbps * 2(n-1)/n      (all-reduce bus bandwidth, comparable across n)
+  busbw_frac_memcpy = busbw_gbps / memcpy_gbps
+memcpy_gbps: the median rate of dst.copy_(src) for one buffer of --max-bytes bytes on the device
+the ranks use (cuda:0 with nccl, else the CPU with this process's torch threads), measured before
+the ranks start. It counts the bytes of ONE buffer per copy; the memory traffic (read src + write
+dst) is twice that. It is the reference limit for ranks that share one machine's memory.
 """
 
 from __future__ import annotations
@@ -207,6 +204,8 @@ def measure(runtime: Runtime, plan: dict) -> list[tuple[int, float, int]]:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The flags of ``ddpkit bench allreduce`` (the module docstring is its description)."""
+    parser.formatter_class = argparse.RawDescriptionHelpFormatter
     parser.add_argument(
         "--nproc",
         type=int,
@@ -358,6 +357,13 @@ def run_ranks(plan: dict, world_size: int, timeout_s: float) -> list[tuple[int, 
 
 
 def run(args: argparse.Namespace) -> int:
+    """Measure, print the machine, world size, backend and table; write --csv/--json. Returns 0.
+
+    Raises:
+        ConfigError: bad flags (every problem in one line) or nccl without a GPU per rank; the
+            CLI prints it and exits 2.
+        DistributedError: a rank failed (wrong result, crash, timeout); exit 1.
+    """
     plan = _validate(args)
     device = torch.device("cuda", 0) if plan["backend"] == "nccl" else torch.device("cpu")
     memcpy = memcpy_gbps(max(plan["sizes"]), device)
