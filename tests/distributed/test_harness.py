@@ -5,6 +5,7 @@ from __future__ import annotations
 import time
 
 import pytest
+import torch
 
 import ddpkit
 from ddpkit.testing import DistributedTestError, run_distributed
@@ -39,3 +40,14 @@ def test_harness_timeout_names_the_ranks_still_running():
         DistributedTestError, match=r"timed out after 25 s; ranks still running: \[1\]"
     ):
         run_distributed(_rank_one_hangs, 2, timeout_s=25)
+
+
+def _backend_and_device(runtime):
+    return runtime.backend, str(runtime.device), ddpkit.all_reduce_sum([1.0], runtime).item()
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="this machine could run nccl")
+def test_backend_auto_is_gloo_on_cpu_and_nccl_without_gpus_fails_in_the_rank():
+    assert run_distributed(_backend_and_device, 2, backend="auto") == [("gloo", "cpu", 2.0)] * 2
+    with pytest.raises(DistributedTestError, match="backend=nccl needs one CUDA device"):
+        run_distributed(_backend_and_device, 2, backend="nccl")
