@@ -49,7 +49,8 @@ def test_sweep_rows_follow_the_nccl_tests_formulas(
     assert report["world_size"] == nproc and report["backend"] == "gloo"
     assert report["dtype"] == "float32" and report["machine"]["torch"] == torch.__version__
     memcpy = report["memcpy_gbps"]
-    assert memcpy > 0
+    assert memcpy > 0 and report["memcpy_device"] == "cpu"
+    assert report["memcpy_bytes"] == expected_sizes[-1]
     for row in rows:
         time_s = row["time_us"] / 1e6
         assert time_s > 0 and row["elements"] == row["bytes"] // 4
@@ -118,3 +119,13 @@ def test_a_failing_worker_stops_every_rank_with_one_line():
     assert len(message.splitlines()) == 1, message
     assert message.startswith("all-reduce benchmark failed, every rank stopped: rank ")
     assert "raised: KeyError: 'float64'" in message
+
+
+def test_ranks_past_the_timeout_are_stopped_with_one_line_exit_1(tmp_path, capsys):
+    out = tmp_path / "ar.json"
+    argv = ["bench", "allreduce", "-e", "8K", "--timeout", "0.5", "--json", str(out)]
+    code, err = run_main(argv, capsys)  # spawning two ranks that import torch takes longer
+    assert code == 1, err
+    assert len(err.strip().splitlines()) == 1, err
+    assert "all-reduce benchmark failed, every rank stopped: timed out after 0.5 s" in err
+    assert "ranks still running: [0, 1]" in err and not out.exists()

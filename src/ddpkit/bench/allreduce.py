@@ -388,6 +388,8 @@ def run(args: argparse.Namespace) -> int:
                 "backend": plan["backend"],
                 "dtype": args.dtype,
                 "memcpy_gbps": memcpy,
+                "memcpy_bytes": max(plan["sizes"]),
+                "memcpy_device": str(device),
                 "rows": rows,
             },
         )

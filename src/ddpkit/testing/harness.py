@@ -177,7 +177,7 @@ def _collect(procs: list[mp.process.BaseProcess], workdir: Path, timeout_s: floa
             missing = [rank for rank in range(len(procs)) if rank not in results]
             _kill_all(procs)
             raise DistributedTestError(
-                f"timed out after {timeout_s:.0f} s; ranks still running: {missing}"
+                f"timed out after {timeout_s:g} s; ranks still running: {missing}"
             )
         time.sleep(0.02)
     return [results[rank] for rank in range(len(procs))]
