@@ -35,6 +35,7 @@ from ddpkit.parallel.wrap import model_state_dict, unwrap_model, wrap_model
 from ddpkit.training.accumulation import GradientAccumulator
 from ddpkit.training.dynamic import UnusedParameterDiagnosis, UnusedParameterError
 from ddpkit.training.evaluate import evaluate
+from ddpkit.training.observe import StepTimer, peak_memory_mb
 from ddpkit.training.precision import MixedPrecision
 from ddpkit.training.uneven import UnevenInputsError, join_uneven_inputs, verify_even_batches
 
@@ -52,6 +53,7 @@ __all__ = [
     "ProcessInfo",
     "Runtime",
     "ShardedLoader",
+    "StepTimer",
     "UnevenInputsError",
     "UnpaddedDistributedSampler",
     "UnusedParameterDiagnosis",
@@ -71,6 +73,7 @@ __all__ = [
     "join_uneven_inputs",
     "load_model_state",
     "model_state_dict",
+    "peak_memory_mb",
     "resolve_backend",
     "unwrap_model",
     "verify_even_batches",
