@@ -47,7 +47,6 @@ def progress_bar(runtime: Runtime, total: int, mode: str = "auto", desc: str = "
         total=total,
         desc=desc,
         unit="samples",
-        unit_scale=True,
         file=sys.stderr,
         leave=False,
         dynamic_ncols=True,
