@@ -179,10 +179,14 @@ def test_progress_on_when_piped_and_off_on_a_terminal(tmp_path):
     piped = run_cli([*common, "--progress", "on", "--output-dir", str(tmp_path / "p")], 180)
     assert piped.returncode == 0, piped.output
     assert BAR.search(piped.stderr) and len(re.findall(r"epoch 1/1:\s+0%\|", piped.stderr)) == 1
-    code, output = _run_in_pty([*common, "--progress", "off", "--output-dir",
-                                str(tmp_path / "t")], 180)  # fmt: skip
+    off = ["--progress", "off", "--step-timing", "off", "--log-every", "0"]
+    code, output = _run_in_pty([*common, *off, "--output-dir", str(tmp_path / "t")], 180)
     assert code == 0, output
     assert "%|" not in output and "epoch 1/1  train_loss" in output
+    # no timing: no phase keys (never zeros posing as times), peak memory still there
+    (record,) = _jsonl(tmp_path / "t" / "metrics.jsonl")
+    assert not any(key.endswith("_s_per_step") for key in record) and record["peak_memory_mb"] > 0
+    assert not (tmp_path / "t" / "steps.jsonl").exists()  # --log-every 0
 
 
 def test_bad_observe_flags_exit_2(tmp_path, capsys):
