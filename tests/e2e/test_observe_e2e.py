@@ -28,7 +28,7 @@ DIGITS_2_RANKS = ["-m", "ddpkit", "train", "--dataset", "digits", "--nproc", "2"
 # 12 optimizer steps per epoch (719 samples per rank, batch 64), 24 in 2 epochs
 STEPS_PER_EPOCH = 12
 BAR = re.compile(
-    r"\d+%\|.*\| \d+/\d+ \[[\d:]+<[\d:?]+, +[\d.?]+samples/s\]"
+    r"\d+%\|.*\| \d+/\d+ \[[\d:]+<[\d:?]+, +[\d.?]+ samples/s\]"
 )  # tqdm: ETA and samples/s
 
 

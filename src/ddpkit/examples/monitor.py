@@ -46,7 +46,7 @@ def progress_bar(runtime: Runtime, total: int, mode: str = "auto", desc: str = "
     return tqdm(
         total=total,
         desc=desc,
-        unit="samples",
+        unit=" samples",
         file=sys.stderr,
         leave=False,
         dynamic_ncols=True,
