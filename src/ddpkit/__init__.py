@@ -11,6 +11,8 @@ The public API (everything else is internal)::
             for x, y in loader:                             # the sampler epoch advances itself
                 ...
         metrics = ddpkit.evaluate(model, ddpkit.build_eval_loader(test_set, rt, 1000), rt)
+        # step-time split: ddpkit.StepTimer(rt) -> train_one_epoch(..., timer=timer),
+        # then timer.epoch_summary(rt) on every rank (one collective per epoch)
 
 Launch with ``ddpkit run -n 2 train.py`` or ``torchrun --nproc-per-node 2 train.py``.
 """
