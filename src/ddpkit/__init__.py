@@ -11,6 +11,8 @@ The public API (everything else is internal)::
             for x, y in loader:                             # the sampler epoch advances itself
                 ...
         metrics = ddpkit.evaluate(model, ddpkit.build_eval_loader(test_set, rt, 1000), rt)
+        # step-time split: ddpkit.StepTimer(rt) -> train_one_epoch(..., timer=timer),
+        # then timer.epoch_summary(rt) on every rank (one collective per epoch)
 
 Launch with ``ddpkit run -n 2 train.py`` or ``torchrun --nproc-per-node 2 train.py``.
 """
@@ -35,6 +37,7 @@ from ddpkit.parallel.wrap import model_state_dict, unwrap_model, wrap_model
 from ddpkit.training.accumulation import GradientAccumulator
 from ddpkit.training.dynamic import UnusedParameterDiagnosis, UnusedParameterError
 from ddpkit.training.evaluate import evaluate
+from ddpkit.training.observe import StepTimer, peak_memory_mb
 from ddpkit.training.precision import MixedPrecision
 from ddpkit.training.uneven import UnevenInputsError, join_uneven_inputs, verify_even_batches
 
@@ -52,6 +55,7 @@ __all__ = [
     "ProcessInfo",
     "Runtime",
     "ShardedLoader",
+    "StepTimer",
     "UnevenInputsError",
     "UnpaddedDistributedSampler",
     "UnusedParameterDiagnosis",
@@ -71,6 +75,7 @@ __all__ = [
     "join_uneven_inputs",
     "load_model_state",
     "model_state_dict",
+    "peak_memory_mb",
     "resolve_backend",
     "unwrap_model",
     "verify_even_batches",

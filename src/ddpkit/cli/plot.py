@@ -1,17 +1,160 @@
-"""``ddpkit plot OUTPUT_DIR``: placeholder while it is being built (issue 7)."""
+"""``ddpkit plot OUTPUT_DIR``: PNG plots of a ``ddpkit train`` output folder (matplotlib, Agg).
+
+Run it::
+
+    ddpkit train --nproc 2 --epochs 3 --output-dir runs/mnist
+    ddpkit plot runs/mnist                   # writes loss.png, accuracy.png, throughput.png,
+                                             # step_time.png into runs/mnist and prints the paths
+
+Reads ``metrics.jsonl`` (one record per epoch, required) and ``steps.jsonl`` (one record per
+``--log-every`` steps, optional).
+"""
 
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 
 from ddpkit.errors import ConfigError
+from ddpkit.examples.outputs import read_records
+from ddpkit.training.observe import PHASES
+
+PLOTS = ("loss.png", "accuracy.png", "throughput.png", "step_time.png")
+EPOCH_KEYS = ("epoch", "train_loss", "test_loss", "test_accuracy", "samples_per_s")
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
-    parser = subparsers.add_parser("plot", help="PNG plots of a ddpkit train output folder")
-    parser.add_argument("output_dir")
+    parser = subparsers.add_parser(
+        "plot",
+        help="PNG plots of a ddpkit train output folder",
+        description="Write loss.png (train loss per logged step and per epoch, test loss), "
+        "accuracy.png (test accuracy per epoch), throughput.png (global samples/s per epoch "
+        "and per logged step) and step_time.png (seconds per step, stacked by phase, per "
+        "epoch) from OUTPUT_DIR/metrics.jsonl and steps.jsonl.",
+    )
+    parser.add_argument("output_dir", metavar="OUTPUT_DIR", help="a ddpkit train --output-dir")
+    parser.add_argument(
+        "--out", default=None, metavar="DIR", help="where the PNGs go (default OUTPUT_DIR)"
+    )
     parser.set_defaults(handler=run)
 
 
+def load_run(output_dir: Path) -> tuple[list[dict], list[dict]]:
+    """The epoch records (metrics.jsonl) and step records (steps.jsonl) of a run.
+
+    Raises:
+        ConfigError: the folder or metrics.jsonl is missing, a file is empty or malformed, or
+            an epoch record lacks one of the keys the plots need.
+    """
+    if not output_dir.is_dir():
+        raise ConfigError(
+            f"no such output folder: output_dir={output_dir}. Pass the --output-dir of a "
+            "ddpkit train run."
+        )
+    records: dict[str, list[dict]] = {}
+    for name in ("metrics.jsonl", "steps.jsonl"):
+        path = output_dir / name
+        try:
+            records[name] = read_records(path)
+        except (ValueError, OSError) as exc:
+            raise ConfigError(
+                f"cannot read {path}: {str(exc).splitlines()[0]}. It must hold one JSON object "
+                "per line, as ddpkit train writes; rerun the training to regenerate it."
+            ) from exc
+    epochs = records["metrics.jsonl"]
+    if not epochs:
+        raise ConfigError(
+            f"no epoch records in {output_dir / 'metrics.jsonl'} (missing or empty). Plot a "
+            "folder where ddpkit train completed at least one epoch."
+        )
+    missing = sorted({k for r in epochs for k in EPOCH_KEYS if k not in r})
+    if missing:
+        raise ConfigError(
+            f"{output_dir / 'metrics.jsonl'}: records lack {', '.join(missing)}. Plot the "
+            "output of ddpkit train."
+        )
+    return epochs, records["steps.jsonl"]
+
+
+def _values(records: list[dict], key: str) -> list[float]:
+    return [float("nan") if r.get(key) is None else float(r[key]) for r in records]
+
+
+def write_plots(epochs: list[dict], steps: list[dict], out_dir: Path) -> list[Path]:
+    """Write the four PNGs into ``out_dir`` (created); returns their paths.
+
+    Epoch-level curves use the epoch number as x; step-level ones the optimizer step, drawn on
+    a second x axis scaled to epochs (``step / steps_per_epoch``) where epochs record ``step``.
+    """
+    import matplotlib
+
+    matplotlib.use("Agg")
+    from matplotlib import pyplot as plt
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    x = _values(epochs, "epoch")
+    steps_per_epoch = _steps_per_epoch(epochs)
+    step_x = [s["step"] / steps_per_epoch for s in steps] if steps_per_epoch else []
+    paths = []
+    for name in PLOTS:
+        fig, ax = plt.subplots(figsize=(7, 4.5), dpi=100)
+        if name == "loss.png":
+            if step_x:
+                ax.plot(
+                    step_x, _values(steps, "loss"), alpha=0.5, label="train loss (logged steps)"
+                )
+            ax.plot(x, _values(epochs, "train_loss"), "o-", label="train loss (epoch mean)")
+            ax.plot(x, _values(epochs, "test_loss"), "s-", label="test loss")
+            ax.set_ylabel("cross-entropy loss")
+        elif name == "accuracy.png":
+            ax.plot(x, _values(epochs, "test_accuracy"), "o-", label="test accuracy")
+            ax.set_ylabel("accuracy (0..1)")
+        elif name == "throughput.png":
+            if step_x:
+                ax.plot(step_x, _values(steps, "samples_per_s"), alpha=0.5, label="logged steps")
+            ax.plot(x, _values(epochs, "samples_per_s"), "o-", label="epoch")
+            ax.set_ylabel("global samples/s")
+        else:
+            _stacked_phases(ax, epochs, x)
+        ax.set_xlabel("epoch")
+        ax.grid(alpha=0.3)
+        ax.legend()
+        fig.tight_layout()
+        path = out_dir / name
+        fig.savefig(path, format="png")
+        plt.close(fig)
+        paths.append(path)
+    return paths
+
+
+def _steps_per_epoch(epochs: list[dict]) -> float:
+    first = epochs[0]
+    if first.get("step") is None or not first.get("epoch"):
+        return 0.0
+    return first["step"] / first["epoch"]  # a resumed first record still ends at step E*S
+
+
+def _stacked_phases(ax, epochs: list[dict], x: list[float]) -> None:
+    bottom = [0.0] * len(epochs)
+    for phase in PHASES:
+        values = [v if v == v else 0.0 for v in _values(epochs, f"{phase}_s_per_step")]
+        ax.bar(x, values, bottom=bottom, label=phase, width=0.6)
+        bottom = [b + v for b, v in zip(bottom, values, strict=True)]
+    ax.set_xticks(x)
+    ax.set_ylabel("seconds per optimizer step (mean over ranks)")
+
+
 def run(args: argparse.Namespace) -> int:
-    raise ConfigError("ddpkit plot is not built yet")
+    output_dir = Path(args.output_dir)
+    epochs, steps = load_run(output_dir)
+    out_dir = Path(args.out) if args.out else output_dir
+    try:
+        out_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise ConfigError(
+            f"cannot create the plot folder: --out {out_dir} ({exc.strerror}). Pass a "
+            "writable folder."
+        ) from exc
+    for path in write_plots(epochs, steps, out_dir):
+        print(path)
+    return 0

@@ -20,9 +20,11 @@ import torch
 from ddpkit.checkpoint.io import read_manifest
 from ddpkit.checkpoint.manager import check_compatible, newest_manifest
 from ddpkit.cli.train_options import (
+    add_observe_arguments,
     add_step_arguments,
     add_wrap_arguments,
     check_strategy,
+    observe_problems,
     step_problems,
     wrap_problems,
 )
@@ -48,7 +50,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         help="train the MNIST CNN with DDP on N local processes",
         description="Train a small CNN on MNIST (1x28x28 inputs, 10 classes) with "
         "DistributedDataParallel. Prints per-epoch train loss, test loss, test accuracy and "
-        "samples/s; writes metrics.jsonl, summary.json and model.pt to --output-dir.",
+        "samples/s; writes metrics.jsonl/csv, steps.jsonl/csv, summary.json, model.pt and "
+        "(with tensorboard installed) tensorboard/ to --output-dir.",
     )
     parser.add_argument(
         "--nproc",
@@ -176,6 +179,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     )
     add_wrap_arguments(parser, defaults)
     add_step_arguments(parser, defaults)
+    add_observe_arguments(parser, defaults)
     parser.add_argument(WORKER_FLAG, action="store_true", help=argparse.SUPPRESS)
     parser.set_defaults(handler=run)
 
@@ -205,6 +209,7 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
         problems.append(f"--resume {args.resume} is neither 'auto' nor a checkpoint folder")
     problems += wrap_problems(args)
     problems += step_problems(args)
+    problems += observe_problems(args)
     problem = _output_dir_problem(Path(args.output_dir))
     if problem:
         problems.append(problem)

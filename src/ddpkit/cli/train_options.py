@@ -1,5 +1,6 @@
 """``ddpkit train``'s option groups beyond the basics: strategy and gradient communication
-(issue 3, items 4-7), and the training step (accumulation, precision, dynamic models, Join).
+(issue 3, items 4-7), the training step (accumulation, precision, dynamic models, Join), and
+watching a run (progress bar, step timing, metrics files, TensorBoard; issue 7).
 
 Each group has its ``add_*_arguments(parser, defaults)`` and its ``*_problems(args)``, which
 returns one string per invalid value so that ``config_from_args`` can report them all at once.
@@ -12,6 +13,7 @@ import math
 
 from ddpkit.errors import ConfigError
 from ddpkit.examples.mnist import TrainConfig
+from ddpkit.examples.monitor import PROGRESS_MODES, TENSORBOARD_MODES
 from ddpkit.parallel.comm import GRAD_COMPRESSIONS
 from ddpkit.parallel.wrap import STRATEGIES
 from ddpkit.training.precision import PRECISIONS
@@ -212,3 +214,48 @@ def step_problems(args: argparse.Namespace) -> list[str]:
             "loss scaler already skips overflowed steps on every rank"
         )
     return problems
+
+
+def add_observe_arguments(parser: argparse.ArgumentParser, defaults: TrainConfig) -> None:
+    """Flags of watching a run: progress bar, step timing, step records, TensorBoard."""
+    group = parser.add_argument_group("watching a run")
+    group.add_argument(
+        "--progress",
+        choices=PROGRESS_MODES,
+        default=defaults.progress,
+        help="rank 0's progress bar per epoch on stderr, with global samples/s and ETA: auto "
+        "(default; only when stderr is a terminal), on, off",
+    )
+    group.add_argument(
+        "--log-every",
+        type=int,
+        default=defaults.log_every,
+        metavar="N",
+        help="every N optimizer steps append a record to steps.jsonl and steps.csv: mean "
+        "train loss over all ranks since the last record, global samples/s, learning rate "
+        f"(default {defaults.log_every}; 0 = none)",
+    )
+    group.add_argument(
+        "--step-timing",
+        choices=("on", "off"),
+        default="on" if defaults.step_timing else "off",
+        help="split each step's time into data wait, forward, backward (with DDP's overlapped "
+        "all-reduce) and optimizer, in seconds per step in metrics.jsonl/csv (default on; "
+        "free on CPU, on CUDA it synchronizes the GPU at each phase boundary)",
+    )
+    group.add_argument(
+        "--tensorboard",
+        choices=TENSORBOARD_MODES,
+        default=defaults.tensorboard,
+        help="auto (default): TensorBoard event files in OUTPUT_DIR/tensorboard when the "
+        "tensorboard package is installed (pip install 'ddpkit[tensorboard]'); off",
+    )
+
+
+def observe_problems(args: argparse.Namespace) -> list[str]:
+    """Problems of the observability flags; turns ``--step-timing on|off`` into a bool."""
+    if isinstance(args.step_timing, str):
+        args.step_timing = args.step_timing == "on"
+    if args.log_every < 0:
+        return [f"--log-every {args.log_every} must be >= 0 (0 = no step records)"]
+    return []

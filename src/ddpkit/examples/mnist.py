@@ -24,7 +24,8 @@ from ddpkit.distributed.process_group import Runtime
 from ddpkit.distributed.sampler import build_eval_loader, build_train_loader
 from ddpkit.errors import ConfigError
 from ddpkit.examples.mnist_data import DataSource
-from ddpkit.examples.outputs import append_metrics, finite_or_none, reset_outputs, write_json_atomic
+from ddpkit.examples.monitor import TrainingMonitor
+from ddpkit.examples.outputs import finite_or_none, reset_outputs, write_json_atomic
 from ddpkit.guards.nonfinite import NonFiniteError, NonFiniteGuard, check_replicas
 from ddpkit.log import get_logger
 from ddpkit.parallel.comm import CommStats
@@ -33,6 +34,7 @@ from ddpkit.parallel.wrap import model_state_dict, wrap_model
 from ddpkit.training.accumulation import GradientAccumulator
 from ddpkit.training.evaluate import evaluate
 from ddpkit.training.loop import train_one_epoch
+from ddpkit.training.observe import StepTimer
 from ddpkit.training.precision import MixedPrecision
 
 OPTIMIZERS = ("adam", "adamw", "sgd")
@@ -111,6 +113,15 @@ class TrainConfig:
         join: train each epoch inside torch's ``Join`` (ranks may have different numbers of
             batches); the ``ddpkit train`` loader is even anyway, so this only adds Join's
             bookkeeping: two small all-reduces per forward (torch 2.13's DDP).
+        step_timing: split each step's time into data wait, forward, backward (with DDP's
+            overlapped all-reduce) and optimizer (:class:`~ddpkit.StepTimer`); each epoch
+            record gets ``<phase>_s_per_step`` (seconds). Free on CPU; on CUDA it
+            synchronizes the device at each phase boundary.
+        log_every: write a step record (loss, global samples/s, lr) to steps.jsonl/csv
+            every this many optimizer steps (0 = none).
+        progress: ``auto`` (a rank-0 progress bar when stderr is a terminal), ``on``, ``off``.
+        tensorboard: ``auto`` (event files in ``output_dir/tensorboard`` when the
+            ``tensorboard`` package is installed) or ``off``.
     """
 
     epochs: int = 1
@@ -140,6 +151,11 @@ class TrainConfig:
     find_unused_parameters: bool = False
     static_graph: bool = False
     join: bool = False
+    # observability (issue 7)
+    step_timing: bool = True
+    log_every: int = 50
+    progress: str = "auto"
+    tensorboard: str = "auto"
 
 
 def build_optimizer(name: str, params, lr: float) -> torch.optim.Optimizer:
@@ -305,7 +321,12 @@ def train_mnist(config: TrainConfig, runtime: Runtime, source: DataSource) -> di
     if config.resume:
         path = None if config.resume == "auto" else config.resume
         step = ckpt.resume(**state, path=path, extra=settings)
-    reset_outputs(output_dir, runtime, train_loader.epoch if step else None)
+    reset_outputs(output_dir, runtime, train_loader.epoch if step else None, step)
+    timer = StepTimer(runtime, enabled=config.step_timing)
+    monitor = TrainingMonitor(
+        output_dir, runtime, timer, inner_optimizer, step,
+        config.log_every, config.progress, config.tensorboard,
+    )  # fmt: skip
     guard = None if config.on_nonfinite == "off" else NonFiniteGuard(runtime, config.on_nonfinite)
     averager = optimizer.averager if optimizer is not inner_optimizer else None  # local SGD
     first_step = step
@@ -322,6 +343,7 @@ def train_mnist(config: TrainConfig, runtime: Runtime, source: DataSource) -> di
             if averager is None or averager.just_averaged:  # local SGD: equal only then
                 check_replicas(model, runtime, step)
         ckpt.maybe_save(step, **state, extra=settings)
+        monitor.on_step(step)
 
     global_batch = config.batch_size * runtime.world_size * config.grad_accum
     log.info(
@@ -337,44 +359,51 @@ def train_mnist(config: TrainConfig, runtime: Runtime, source: DataSource) -> di
     )  # fmt: skip
     train_time_s = samples_total = 0.0
     test = None
-    while train_loader.epoch < config.epochs:
-        epoch = train_loader.epoch + 1
-        epoch_bytes, epoch_first_step = _comm_bytes(comm_stats), step
-        train_loss, num_samples, epoch_s = train_one_epoch(
-            model, train_loader, optimizer, schedule, runtime, on_step, may_step,
-            accumulator, config.clip_grad_norm, config.join,
-        )  # fmt: skip
-        if guard is None and not math.isfinite(train_loss):
-            raise NonFiniteError(
-                f"epoch {epoch}: the mean train loss over all ranks is {train_loss}: training "
-                "diverged or the data holds NaN/Inf. Rerun with --on-nonfinite raise to stop at "
-                "the first such step and name the rank (or skip to drop those steps); a lower "
-                "--lr often helps."
-            )
-        if averager is not None and not averager.just_averaged:  # evaluate the averaged model
-            averager.average_now(inner_optimizer.param_groups)
-        train_time_s += epoch_s
-        samples_total += num_samples
-        test = evaluate(model, test_loader, runtime)
-        record = {
-            "epoch": epoch,
-            "train_loss": train_loss,
-            "test_loss": test["loss"],
-            "test_accuracy": test["accuracy"],
-            "test_samples": test["num_samples"],
-            "samples_per_s": num_samples / epoch_s,
-            "epoch_s": epoch_s,
-            "comm_bytes_per_step": _per_step(
-                _comm_bytes(comm_stats) - epoch_bytes, step - epoch_first_step
-            ),
-        }
-        log.info(
-            "epoch %d/%d  train_loss %.4f  test_loss %.4f  test_acc %.4f  %.0f samples/s",
-            epoch, config.epochs, train_loss, test["loss"], test["accuracy"],
-            record["samples_per_s"],
-        )  # fmt: skip
-        if runtime.is_rank_zero:
-            append_metrics(output_dir, record)
+    try:
+        while train_loader.epoch < config.epochs:
+            epoch = train_loader.epoch + 1
+            epoch_bytes, epoch_first_step = _comm_bytes(comm_stats), step
+            monitor.start_epoch(epoch, config.epochs, train_loader)
+            train_loss, num_samples, epoch_s = train_one_epoch(
+                model, train_loader, optimizer, schedule, runtime, on_step, may_step,
+                accumulator, config.clip_grad_norm, config.join, timer=timer,
+            )  # fmt: skip
+            monitor.close_bar()
+            step_times = timer.epoch_summary(runtime)  # collective: one all-reduce
+            if guard is None and not math.isfinite(train_loss):
+                raise NonFiniteError(
+                    f"epoch {epoch}: the mean train loss over all ranks is {train_loss}: "
+                    "training diverged or the data holds NaN/Inf. Rerun with --on-nonfinite "
+                    "raise to stop at the first such step and name the rank (or skip to drop "
+                    "those steps); a lower --lr often helps."
+                )
+            if averager is not None and not averager.just_averaged:  # evaluate the averaged model
+                averager.average_now(inner_optimizer.param_groups)
+            train_time_s += epoch_s
+            samples_total += num_samples
+            test = evaluate(model, test_loader, runtime)
+            record = {
+                "epoch": epoch,
+                "train_loss": train_loss,
+                "test_loss": test["loss"],
+                "test_accuracy": test["accuracy"],
+                "test_samples": test["num_samples"],
+                "samples_per_s": num_samples / epoch_s,
+                "epoch_s": epoch_s,
+                "comm_bytes_per_step": _per_step(
+                    _comm_bytes(comm_stats) - epoch_bytes, step - epoch_first_step
+                ),
+                "step": step,
+                **{k: v for k, v in step_times.items() if k.endswith("_per_step") or "memory" in k},
+            }
+            log.info(
+                "epoch %d/%d  train_loss %.4f  test_loss %.4f  test_acc %.4f  %.0f samples/s",
+                epoch, config.epochs, train_loss, test["loss"], test["accuracy"],
+                record["samples_per_s"],
+            )  # fmt: skip
+            monitor.end_epoch(record, step)
+    finally:
+        monitor.close()
     if test is None:  # resumed from a checkpoint taken at the very end: evaluate it
         test = evaluate(model, test_loader, runtime)
     summary = {

@@ -1,8 +1,13 @@
-"""What ``ddpkit train`` writes to its output folder: metrics.jsonl, summary.json (atomically),
-and the clean-up of an earlier run's files. Rank 0 writes; the others wait where noted."""
+"""What ``ddpkit train`` writes to its output folder, and the clean-up of an earlier run's files.
+
+``metrics.jsonl``/``metrics.csv`` hold one record per epoch (key ``epoch``), ``steps.jsonl``/
+``steps.csv`` one per ``log_every`` optimizer steps (key ``step``): the same records in both
+formats, the CSV header taken from the first record. ``summary.json`` is written atomically,
+``tensorboard/`` holds the event files. Rank 0 writes; the others wait where noted."""
 
 from __future__ import annotations
 
+import csv
 import json
 import math
 import os
@@ -23,26 +28,74 @@ def write_json_atomic(path: Path, payload: dict) -> None:
     os.replace(tmp, path)
 
 
-def reset_outputs(output_dir: Path, runtime: Runtime, completed_epochs: int | None) -> None:
-    """Rank 0 clears what an earlier run left; a resumed run keeps its checkpoints and the
-    metrics of the epochs it completed. Collective (a barrier)."""
+RECORD_FILES = {"metrics": "epoch", "steps": "step"}  # file stem -> the record's counter key
+
+
+def reset_outputs(
+    output_dir: Path, runtime: Runtime, completed_epochs: int | None, completed_step: int = 0
+) -> None:
+    """Rank 0 clears what an earlier run left; a resumed run keeps its checkpoints, the epoch
+    records of the ``completed_epochs`` and the step records up to ``completed_step`` (JSONL
+    and CSV). ``completed_epochs=None``: a new run, every record and event file removed.
+
+    Collective: call on every rank (a barrier).
+    """
     if runtime.is_rank_zero:
         for name in ("summary.json", "model.pt"):
             (output_dir / name).unlink(missing_ok=True)
-        metrics = output_dir / "metrics.jsonl"
         if completed_epochs is None:
             shutil.rmtree(output_dir / "checkpoints", ignore_errors=True)
-            metrics.unlink(missing_ok=True)
-        elif metrics.exists():
-            kept = [
-                r
-                for r in metrics.read_text().splitlines()
-                if r.strip() and json.loads(r)["epoch"] <= completed_epochs
-            ]
-            metrics.write_text("".join(f"{r}\n" for r in kept))
+            shutil.rmtree(output_dir / "tensorboard", ignore_errors=True)
+        limits = {"epoch": completed_epochs, "step": completed_step}
+        for stem, key in RECORD_FILES.items():
+            records = [] if completed_epochs is None else read_records(output_dir / f"{stem}.jsonl")
+            _rewrite(output_dir, stem, [r for r in records if r[key] <= limits[key]])
     barrier(runtime)
 
 
+def read_records(path: Path) -> list[dict]:
+    """The records of a JSONL file (blank lines skipped; none when the file is missing).
+
+    Raises:
+        ValueError: a line is not a JSON object (``json.JSONDecodeError`` is one).
+    """
+    if not path.exists():
+        return []
+    records = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    if not all(isinstance(r, dict) for r in records):
+        raise ValueError(f"{path}: every line must be a JSON object")
+    return records
+
+
+def _rewrite(output_dir: Path, stem: str, records: list[dict]) -> None:
+    for suffix in ("jsonl", "csv"):
+        (output_dir / f"{stem}.{suffix}").unlink(missing_ok=True)
+    for record in records:
+        append_record(output_dir, stem, record)
+
+
+def append_record(output_dir: Path, stem: str, record: dict) -> None:
+    """Append ``record`` to ``<stem>.jsonl`` and ``<stem>.csv`` (non-finite floats: null/empty).
+
+    The CSV's columns are the first record's keys; later records fill those columns.
+    """
+    clean = {k: finite_or_none(v) if isinstance(v, float) else v for k, v in record.items()}
+    with (output_dir / f"{stem}.jsonl").open("a") as handle:
+        handle.write(json.dumps(clean) + "\n")
+    path = output_dir / f"{stem}.csv"
+    new = not path.exists() or path.stat().st_size == 0
+    if new:
+        columns = list(clean)
+    else:
+        with path.open(newline="") as handle:
+            columns = next(csv.reader(handle))
+    with path.open("a", newline="") as handle:
+        writer = csv.DictWriter(handle, columns, extrasaction="ignore")
+        if new:
+            writer.writeheader()
+        writer.writerow(clean)
+
+
 def append_metrics(output_dir: Path, record: dict) -> None:
-    with (output_dir / "metrics.jsonl").open("a") as handle:
-        handle.write(json.dumps({k: finite_or_none(v) for k, v in record.items()}) + "\n")
+    """Append one epoch record to metrics.jsonl and metrics.csv."""
+    append_record(output_dir, "metrics", record)

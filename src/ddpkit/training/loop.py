@@ -16,7 +16,8 @@ from torch.nn import functional as F
 from ddpkit.distributed.collectives import all_reduce_sum
 from ddpkit.distributed.process_group import Runtime
 from ddpkit.distributed.sampler import ShardedLoader
-from ddpkit.training.accumulation import GradientAccumulator
+from ddpkit.training.accumulation import AccumulationWindow, GradientAccumulator
+from ddpkit.training.observe import StepTimer
 from ddpkit.training.uneven import join_uneven_inputs, verify_even_batches
 
 
@@ -32,6 +33,7 @@ def train_one_epoch(
     clip_grad_norm: float = 0.0,
     join: bool = False,
     loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = F.cross_entropy,
+    timer: StepTimer | None = None,
 ) -> tuple[float, float, float]:
     """One pass over this rank's shard (capped by the loader's ``max_batches``).
 
@@ -44,6 +46,10 @@ def train_one_epoch(
     number of batches (one all-reduce), so uneven loaders fail at once instead of hanging.
 
     ``loss_fn(outputs, targets)`` gives a micro-batch's mean loss (default: cross-entropy).
+    ``timer`` (a :class:`~ddpkit.StepTimer`) times each step's data wait, forward,
+    backward (with DDP's overlapped all-reduce) and optimizer phases, forward and backward
+    summed over the micro-steps, and counts steps and samples before each ``on_step``; it
+    never changes what is computed. Read it with ``timer.epoch_summary(runtime)``.
 
     Collective: call on every rank (DDP's backward and the final all-reduce).
 
@@ -56,23 +62,58 @@ def train_one_epoch(
     if not join:
         verify_even_batches(len(loader) - loader.state_dict()["batches_done"], runtime)
     loss_sum = num_samples = 0.0
+    timer = timer or StepTimer(runtime, enabled=False)
     with join_uneven_inputs(model, runtime, enable=join):
-        for window in accumulator.windows(loader):
-            optimizer.zero_grad(set_to_none=True)
-            window_loss = torch.zeros((), device=runtime.device)
-            for micro in window:
-                inputs, targets = (t.to(runtime.device) for t in micro.batch)
-                with micro:  # no_sync() unless last; forward AND backward inside
-                    loss = loss_fn(model(inputs), targets)
-                    micro.backward(loss)
-                window_loss += loss.detach().float()
-                loss_sum += float(loss.detach()) * len(targets)
-                num_samples += len(targets)
-            if may_step is None or may_step(window_loss):
-                if accumulator.precision.step(optimizer, model, clip_grad_norm).stepped:
-                    schedule.step()
+        windows = accumulator.windows(loader)
+        while True:
+            with timer.phase("data_wait"):  # the window draws its K batches up front
+                window = next(windows, None)
+            if window is None:
+                break
+            with timer.phase("optimizer"):
+                optimizer.zero_grad(set_to_none=True)
+            window_loss, step_loss_sum, step_samples = _micro_steps(
+                model, window, runtime, loss_fn, timer
+            )
+            for value in step_loss_sum:  # added one by one: the same float sum as before
+                loss_sum += value
+            num_samples += step_samples
+            with timer.phase("optimizer"):
+                if may_step is None or may_step(window_loss):
+                    if accumulator.precision.step(optimizer, model, clip_grad_norm).stepped:
+                        schedule.step()
+            timer.end_step(window.num_samples, sum(step_loss_sum), int(step_samples))
             if on_step is not None:
                 on_step()
     seconds = time.perf_counter() - start
     loss_sum, num_samples = all_reduce_sum([loss_sum, num_samples], runtime).tolist()
     return loss_sum / max(num_samples, 1.0), num_samples, seconds
+
+
+def _micro_steps(
+    model: nn.Module,
+    window: AccumulationWindow,
+    runtime: Runtime,
+    loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+    timer: StepTimer,
+) -> tuple[torch.Tensor, list[float], int]:
+    """Forward and backward of a window's micro-steps (the last syncs gradients).
+
+    Returns:
+        ``(summed micro-batch mean losses, per-micro-step loss x samples, local samples)``.
+    """
+    window_loss = torch.zeros((), device=runtime.device)
+    loss_sums: list[float] = []
+    num_samples = 0
+    for micro in window:
+        with timer.phase("data_wait"):
+            inputs, targets = (t.to(runtime.device) for t in micro.batch)
+        with micro:  # no_sync() unless last; forward AND backward inside
+            with timer.phase("forward"):
+                loss = loss_fn(model(inputs), targets)
+            with timer.phase("backward_comm"):  # includes DDP's overlapped all-reduce
+                micro.backward(loss)
+        window_loss += loss.detach().float()
+        loss_sums.append(float(loss.detach()) * len(targets))
+        num_samples += len(targets)
+    return window_loss, loss_sums, num_samples
