@@ -426,5 +426,11 @@ def train_mnist(config: TrainConfig, runtime: Runtime, source: DataSource) -> di
         torch.save(model_state_dict(model), output_dir / ".model.pt.tmp")
         os.replace(output_dir / ".model.pt.tmp", output_dir / "model.pt")
         write_json_atomic(output_dir / "summary.json", summary)
-        log.info("wrote %s (metrics.jsonl, summary.json, model.pt)", output_dir)
+        written = sorted(p.name for p in output_dir.iterdir() if not p.name.startswith("."))
+        log.info(
+            "wrote %s (%s); plot it with: ddpkit plot %s",
+            output_dir,
+            ", ".join(written),
+            output_dir,
+        )
     return summary
