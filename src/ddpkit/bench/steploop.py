@@ -88,68 +88,6 @@ def default_num_threads(nproc: int) -> int:
     return max(1, (os.cpu_count() or 1) // nproc)
 
 
-def check_forms(
-    requested: list[str] | None, compression: str | None
-) -> tuple[list[str], dict[str, str]]:
-    """The forms to run, in canonical order, and those skipped with the reason.
-
-    Args:
-        requested: the forms asked for (``None``: all, skipping uninstalled optional ones).
-        compression: ``fp16``, ``bf16`` or ``powersgd`` adds the form ``ddpkit_<compression>``.
-
-    Raises:
-        ConfigError: an unknown form or compression, or a form named explicitly whose package
-            is not installed.
-    """
-    names = list(BASE_FORMS) if requested is None else list(dict.fromkeys(requested))
-    problems = [f"unknown form {name!r}" for name in names if name not in BASE_FORMS]
-    if compression is not None and compression not in COMPRESSIONS:
-        problems.append(f"unknown compression {compression!r}")
-    if problems:
-        raise ConfigError(
-            f"bad forms: {'; '.join(problems)}. Forms: {', '.join(BASE_FORMS)}; compression: "
-            f"{', '.join(COMPRESSIONS)}. Fix --forms/--compression."
-        )
-    missing = [name for name in names if not is_installed(name)]
-    if missing and requested is not None:
-        raise ConfigError(
-            f"form {', '.join(missing)} asked for but {INSTALL_HINT}. Install it, or drop it "
-            "from --forms."
-        )
-    forms = [name for name in BASE_FORMS if name in names and name not in missing]
-    if compression is not None:
-        forms.append(f"ddpkit_{compression}")
-    return forms, {name: INSTALL_HINT for name in missing}
-
-
-def check_settings(settings: StepLoopSettings, max_nproc: int) -> None:
-    """Refuse settings no run can use, all problems in one line.
-
-    Raises:
-        ConfigError: steps < 1, warm-up < 0, batch size < 1, timeout <= 0, a missing
-            ``data_dir``, or more steps than the MNIST training set holds.
-    """
-    problems = []
-    if settings.num_steps < 1:
-        problems.append(f"--steps {settings.num_steps} must be >= 1")
-    if settings.num_warmup_steps < 0:
-        problems.append(f"--warmup {settings.num_warmup_steps} must be >= 0")
-    if settings.batch_size < 1:
-        problems.append(f"--batch-size {settings.batch_size} must be >= 1")
-    if not settings.timeout_s > 0:
-        problems.append(f"--timeout {settings.timeout_s} must be > 0 seconds")
-    if settings.data_dir is not None:
-        total = (settings.num_steps + settings.num_warmup_steps) * settings.batch_size * max_nproc
-        if total > 60000:
-            problems.append(f"{total} samples per run exceed MNIST's 60000 training images")
-    if problems:
-        raise ConfigError(f"bad benchmark settings: {'; '.join(problems)}.")
-    if settings.data_dir is not None:
-        from ddpkit.examples.mnist_data import resolve_data
-
-        resolve_data("mnist", settings.data_dir, download=False)  # missing folder/files: exit 2
-
-
 def data_description(settings: StepLoopSettings) -> str:
     if settings.data_dir is None:
         return "random MNIST-shaped tensors (1x28x28 float, 10 classes, fixed seed)"
