@@ -334,7 +334,7 @@ def _fabric_form(store: dist.Store, data, settings: StepLoopSettings) -> dict:
         accelerator = "cuda" if torch.cuda.is_available() else "cpu"
         fabric = Fabric(accelerator=accelerator, devices=world_size, strategy="ddp")
         fabric.launch()
-        fabric.seed_everything(settings.seed)
+        fabric.seed_everything(settings.seed, verbose=False)
         model = MnistCNN()
         optimizer = torch.optim.Adam(model.parameters(), lr=settings.lr)
         model, optimizer = fabric.setup(model, optimizer)
