@@ -117,10 +117,12 @@ def run_form(form: str, nproc: int, settings: StepLoopSettings) -> dict:
         )
     except DistributedTestError as exc:
         lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
-        cause = next((line for line in reversed(lines) if not line.startswith("---")), "?")
+        header = lines[0].rstrip(":")  # "1 of 2 rank(s) failed" or "timed out after ..."
+        causes = [line for line in lines[1:] if not line.startswith("--- rank")]
+        cause = (causes or lines[-1:])[-1].rstrip(".")[:300]
         raise DistributedError(
-            f"form {form} failed on {nproc} process(es): {lines[0]} Last error: {cause[:300]}. "
-            "Run that form alone (--forms) to see it."
+            f"form {form} failed on {nproc} process(es) ({header}): {cause}. Rerun that form "
+            "alone to see it (ddpkit bench overhead --forms ...)."
         ) from None
     seconds = [result["seconds"] for result in results]
     samples = nproc * settings.batch_size * settings.num_steps
