@@ -59,7 +59,7 @@ def test_forms_do_the_same_work_and_no_sync_does_not_sync(small_run):
     # far away (no_sync, which trains each rank on its own half, is the proof that it shows).
     report, _ = small_run
     raw = report["raw_ddp"]["param_checksum_per_rank"]
-    assert raw[0] == raw[1]
+    assert raw[0] == pytest.approx(raw[1], abs=1e-9)
     for form in ("ddpkit", "accelerate", "fabric"):
         sums = report[form]["param_checksum_per_rank"]
         assert sums[0] == pytest.approx(sums[1], abs=1e-9), form
