@@ -119,7 +119,8 @@ def run_form(form: str, nproc: int, settings: StepLoopSettings) -> dict:
         lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
         header = lines[0].rstrip(":")  # "1 of 2 rank(s) failed" or "timed out after ..."
         causes = [line for line in lines[1:] if not line.startswith("--- rank")]
-        cause = (causes or lines[-1:])[-1].rstrip(".")[:300]
+        died = [line.lstrip("- ") for line in lines[1:] if " died " in line]
+        cause = (causes or died or ["no error message"])[-1].rstrip(".")[:300]
         raise DistributedError(
             f"form {form} failed on {nproc} process(es) ({header}): {cause}. Rerun that form "
             "alone to see it (ddpkit bench overhead --forms ...)."
