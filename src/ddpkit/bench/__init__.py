@@ -6,5 +6,6 @@
 - :mod:`ddpkit.bench.scaling`: throughput for 1..N processes and the scaling efficiency.
 
 :mod:`ddpkit.bench.report` holds what they share: medians, the machine description, the table on
-screen and the CSV/JSON files.
+screen and the CSV/JSON files; :mod:`ddpkit.bench.steploop` the step loop of overhead and scaling
+in every form, and :mod:`ddpkit.bench.options` their shared flags.
 """
