@@ -45,7 +45,11 @@ from ddpkit.errors import ConfigError, DistributedError
 
 BASE_FORMS = ("raw_ddp", "ddpkit", "accelerate", "fabric", "no_sync")
 COMPRESSIONS = ("fp16", "bf16", "powersgd")
-OPTIONAL_MODULES = {"accelerate": "accelerate", "fabric": "lightning_fabric"}
+# each form's package, in the order tried (Fabric ships alone and inside the `lightning` package)
+OPTIONAL_MODULES = {
+    "accelerate": ("accelerate",),
+    "fabric": ("lightning_fabric", "lightning.fabric"),
+}
 INSTALL_HINT = "not installed: pip install 'ddpkit[bench]'"
 RANDOM_DATA_SEED = 1234
 
@@ -79,8 +83,15 @@ class StepLoopSettings:
 
 def is_installed(form: str) -> bool:
     """Whether the package a form needs (accelerate, lightning_fabric) can be imported."""
-    module = OPTIONAL_MODULES.get(form)
-    return module is None or importlib.util.find_spec(module) is not None
+    return form not in OPTIONAL_MODULES or _module_of(form) is not None
+
+
+def _module_of(form: str) -> str | None:
+    for name in OPTIONAL_MODULES[form]:
+        with contextlib.suppress(ModuleNotFoundError):
+            if importlib.util.find_spec(name) is not None:
+                return name
+    return None
 
 
 def default_num_threads(nproc: int) -> int:
@@ -328,9 +339,9 @@ def _accelerate_form(store: dist.Store, data, settings: StepLoopSettings) -> dic
 
 
 def _fabric_form(store: dist.Store, data, settings: StepLoopSettings) -> dict:
-    from lightning_fabric import Fabric
-
     from ddpkit.examples.mnist import MnistCNN
+
+    Fabric = importlib.import_module(_module_of("fabric")).Fabric  # noqa: N806
 
     _, world_size = _rank_world()
     with _default_group(store):
