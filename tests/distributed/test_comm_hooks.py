@@ -209,3 +209,27 @@ def test_bad_compression_is_a_config_error():
         ddpkit.wrap_model(_net(), single, "single", grad_compression="fp16")
     with pytest.raises(ddpkit.ConfigError, match="powersgd_start_step=1 must be an integer >= 2"):
         ddpkit.wrap_model(_net(), single, grad_compression="powersgd", powersgd_start_step=1)
+
+
+def _train_wrap_hook_free(runtime, compression: str) -> tuple[bool, int]:
+    """Wrap as ``ddpkit train`` does; can a comm hook still be registered (torch allows one)?"""
+    from ddpkit.examples.mnist import TrainConfig, build_model_and_optimizer
+
+    config = TrainConfig(grad_compression=compression)
+    model, _, _, stats = build_model_and_optimizer(config, runtime)
+    try:
+        model.register_comm_hook(None, lambda state, bucket: None)
+    except RuntimeError:
+        return False, stats.builtin_sync_bytes
+    return True, stats.builtin_sync_bytes
+
+
+def test_train_default_keeps_ddp_builtin_allreduce():
+    """At default settings ddpkit train adds no Python comm hook (the raw-DDP C++ path) and
+    counts the bytes per synced step instead; with compression its counting hook is there."""
+    from ddpkit.examples.mnist import MnistCNN
+
+    grad_bytes = sum(p.numel() * p.element_size() for p in MnistCNN().parameters())
+    for compression, expected in (("none", (True, grad_bytes)), ("fp16", (False, 0))):
+        results = run_distributed(_train_wrap_hook_free, 2, args=(compression,), timeout_s=90)
+        assert results == [expected, expected], compression

@@ -18,6 +18,7 @@ from pathlib import Path
 import torch
 from torch import nn
 from torch.nn import functional as F
+from torch.nn.parallel import DistributedDataParallel
 
 from ddpkit.checkpoint.manager import CheckpointManager
 from ddpkit.distributed.process_group import Runtime
@@ -184,13 +185,16 @@ def build_model_and_optimizer(
         ddp_kwargs["gradient_as_bucket_view"] = True
     stats = None if config.strategy == "dp" else CommStats()
     local_sgd = config.sync_every > 1
+    # Without compression the gradients stay on DDP's built-in C++ all-reduce (the same path as
+    # a hand-written DDP loop); the bytes are then counted per step, not by a Python hook.
+    hooked = config.grad_compression != "none" and not local_sgd
     model = wrap_model(
         MnistCNN(),
         runtime,
         config.strategy,
         sync_batchnorm=config.sync_batchnorm,
         grad_compression=config.grad_compression,
-        comm_stats=None if local_sgd else stats,
+        comm_stats=stats if hooked else None,
         powersgd_rank=config.powersgd_rank,
         powersgd_start_step=config.powersgd_start_step,
         **ddp_kwargs,
@@ -199,6 +203,10 @@ def build_model_and_optimizer(
     optimizer = inner
     if local_sgd:
         optimizer = enable_local_sgd(model, inner, runtime, config.sync_every, stats)
+    elif stats is not None and not hooked and isinstance(model, DistributedDataParallel):
+        stats.builtin_sync_bytes = sum(
+            p.numel() * p.element_size() for p in model.parameters() if p.requires_grad
+        )
     return model, optimizer, inner, stats
 
 
@@ -337,6 +345,8 @@ def train_mnist(config: TrainConfig, runtime: Runtime, source: DataSource) -> di
     def on_step() -> None:
         nonlocal step
         step += 1
+        if comm_stats is not None:
+            comm_stats.count_builtin_sync()  # the window's last backward synced (skipped or not)
         if step == kill_at:
             os.kill(os.getpid(), signal.SIGKILL)
         if config.check_replicas_every and step % config.check_replicas_every == 0:

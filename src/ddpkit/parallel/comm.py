@@ -58,6 +58,9 @@ class CommStats:
         num_grad_syncs: backward passes whose gradients went through the hook.
         num_averages: model averaging rounds (local SGD).
         num_buckets: buckets in the most recent backward pass.
+        builtin_sync_bytes: for a model left on DDP's built-in (C++) all-reduce, with no hook to
+            count through: the gradient bytes one sync moves (DDP all-reduces every bucket in
+            full at each sync); :meth:`count_builtin_sync` adds them once per synced backward.
     """
 
     grad_bytes: int = 0
@@ -65,6 +68,7 @@ class CommStats:
     num_grad_syncs: int = 0
     num_averages: int = 0
     num_buckets: int = 0
+    builtin_sync_bytes: int = 0
     _buckets_so_far: int = field(default=0, repr=False)
 
     @property
@@ -75,6 +79,13 @@ class CommStats:
     def bytes_per_step(self, num_steps: int) -> float:
         """Mean payload bytes per optimizer step over ``num_steps`` steps (0.0 for 0 steps)."""
         return self.total_bytes / num_steps if num_steps else 0.0
+
+    def count_builtin_sync(self) -> None:
+        """Count one synced backward of a hook-less DDP model (no-op when
+        ``builtin_sync_bytes`` is 0, i.e. when a hook counts instead)."""
+        if self.builtin_sync_bytes:
+            self.grad_bytes += self.builtin_sync_bytes
+            self.num_grad_syncs += 1
 
     def add_bucket(self, bucket: dist.GradBucket, num_bytes: int) -> None:
         """Count one bucket's payload; a pass ends with the bucket DDP reduces last."""
