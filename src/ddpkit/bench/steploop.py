@@ -12,7 +12,7 @@ write it:
 - ``no_sync``: the same loop with forward and backward inside ``model.no_sync()`` every step:
   no gradient all-reduce at all, the ceiling (its replicas diverge: never train like this);
 - ``ddpkit``: ``init_runtime`` (watchdog on, as ``ddpkit train``), ``build_model_and_optimizer``
-  at ``ddpkit train``'s defaults (``wrap_model`` with its counting comm hook),
+  at ``ddpkit train``'s defaults (``wrap_model``: DDP's built-in all-reduce, no hook),
   ``build_train_loader`` and :class:`~ddpkit.training.accumulation.GradientAccumulator` windows
   stepped through :class:`~ddpkit.training.precision.MixedPrecision`, as ``train_one_epoch`` does;
   ``ddpkit_fp16|bf16|powersgd`` adds ``grad_compression``;
