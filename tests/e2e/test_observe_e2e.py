@@ -132,6 +132,19 @@ def test_plot_refuses_bad_folders(tmp_path, capsys):
         assert code == 2 and expected in err and len(err.strip().splitlines()) == 1, err
 
 
+def test_plot_into_an_unwritable_place_is_one_line_exit_2(tmp_path, capsys):
+    run = tmp_path / "run"
+    run.mkdir()
+    record = {"epoch": 1, "train_loss": 1.0, "test_loss": 0.9, "test_accuracy": 0.7,
+              "samples_per_s": 500.0, "step": 10}  # fmt: skip
+    (run / "metrics.jsonl").write_text(json.dumps(record) + "\n")
+    (tmp_path / "plots" / "loss.png").mkdir(parents=True)  # what a read-only file also gives
+    code, err = run_main(["plot", str(run), "--out", str(tmp_path / "plots")], capsys)
+    assert code == 2, err
+    assert f"cannot write the plot: path={tmp_path / 'plots' / 'loss.png'}" in err, err
+    assert len(err.strip().splitlines()) == 1 and "Traceback" not in err, err
+
+
 def _run_in_pty(args: list[str], timeout_s: float) -> tuple[int, str]:
     """Run ``python <args>`` with stdin/stdout/stderr on a pseudo-terminal; all its output."""
     master, slave = pty.openpty()

@@ -30,7 +30,15 @@ import time
 import torch
 import torch.distributed as dist
 
-from ddpkit.bench.report import format_table, machine, machine_line, median, write_csv, write_json
+from ddpkit.bench.report import (
+    format_table,
+    machine,
+    machine_line,
+    median,
+    output_problem,
+    write_csv,
+    write_json,
+)
 from ddpkit.distributed.env import ProcessInfo
 from ddpkit.distributed.process_group import BACKENDS, Runtime, resolve_backend
 from ddpkit.errors import ConfigError, DistributedError
@@ -301,6 +309,10 @@ def _validate(args: argparse.Namespace) -> dict:
                 f"--{flag.replace('_', '-')} {getattr(args, flag)} must be a "
                 "finite number of seconds > 0"
             )
+    for flag in ("csv", "json"):
+        problem = output_problem(f"--{flag}", getattr(args, flag))
+        if problem:
+            problems.append(problem)
     if problems:
         raise ConfigError(f"invalid benchmark settings: {'; '.join(problems)}. Fix the flags.")
     info = ProcessInfo(world_size=args.nproc, local_world_size=args.nproc)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 
+from ddpkit.bench.report import output_problem
 from ddpkit.bench.steploop import (
     BASE_FORMS,
     COMPRESSIONS,
@@ -139,7 +140,8 @@ def settings_from_args(
     """The :class:`StepLoopSettings` of the flags, checked (threads: cores // ``max_nproc``).
 
     Raises:
-        ConfigError: see :func:`check_settings`; also ``--rounds`` < 1 and ``problems``.
+        ConfigError: see :func:`check_settings`; also ``--rounds`` < 1, a ``--csv`` path
+            that cannot be written, and ``problems``.
     """
     problems = list(problems or [])
     settings = StepLoopSettings(
@@ -152,6 +154,9 @@ def settings_from_args(
     )
     if args.rounds < 1:
         problems.append(f"--rounds {args.rounds} must be >= 1")
+    csv_problem = output_problem("--csv", args.csv)
+    if csv_problem:
+        problems.append(csv_problem)
     check_settings(settings, max_nproc, problems)
     return settings
 

@@ -3,6 +3,7 @@ and CSV/JSON files (written atomically)."""
 
 from __future__ import annotations
 
+import contextlib
 import csv
 import io
 import json
@@ -11,6 +12,8 @@ import platform
 import statistics
 from collections.abc import Sequence
 from pathlib import Path
+
+from ddpkit.errors import ConfigError
 
 
 def median(values: Sequence[float]) -> float:
@@ -65,15 +68,49 @@ def format_table(rows: Sequence[dict], columns: Sequence[tuple[str, str, str]]) 
     return "\n".join("  ".join(cell.rjust(width) for cell, width in line) for line in lines)
 
 
+def output_problem(flag: str, path: str | Path | None) -> str | None:
+    """Why ``path`` (the value of ``flag``) cannot take a report, or ``None`` when it can.
+
+    Checked before a benchmark runs, so a bad path costs no measurement: the path must not be
+    a folder, and its nearest existing parent must be a writable folder (missing folders are
+    created when the report is written).
+    """
+    if path is None:
+        return None
+    path = Path(path)
+    if path.is_dir():
+        return f"{flag} {path} is a folder; name a file in it"
+    parent = path.parent
+    while not parent.exists() and parent != parent.parent:
+        parent = parent.parent
+    if not parent.is_dir():
+        return f"{flag} {path}: {parent} is not a folder"
+    if not os.access(parent, os.W_OK | os.X_OK):
+        return f"{flag} {path}: folder {parent} is not writable"
+    return None
+
+
 def _write_atomic(path: Path, text: str) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(text)
-    os.replace(tmp, path)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp.write_text(text)
+        os.replace(tmp, path)
+    except OSError as exc:
+        with contextlib.suppress(OSError):
+            tmp.unlink(missing_ok=True)
+        raise ConfigError(
+            f"cannot write the report: path={path} ({exc.strerror}). Pass a path in a "
+            "writable folder."
+        ) from exc
 
 
 def write_csv(path: Path, rows: Sequence[dict]) -> None:
-    """``rows`` as CSV with a header of the first row's keys (written atomically)."""
+    """``rows`` as CSV with a header of the first row's keys (written atomically).
+
+    Raises:
+        ConfigError: the file cannot be written (nothing is left behind).
+    """
     buffer = io.StringIO()
     writer = csv.DictWriter(buffer, fieldnames=list(rows[0]) if rows else [])
     writer.writeheader()
@@ -82,5 +119,9 @@ def write_csv(path: Path, rows: Sequence[dict]) -> None:
 
 
 def write_json(path: Path, payload: dict | list) -> None:
-    """``payload`` as indented JSON (written atomically; NaN/Inf refused)."""
+    """``payload`` as indented JSON (written atomically; NaN/Inf refused).
+
+    Raises:
+        ConfigError: the file cannot be written (nothing is left behind).
+    """
     _write_atomic(Path(path), json.dumps(payload, indent=2, allow_nan=False) + "\n")

@@ -39,9 +39,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``ddpkit`` console script; returns the exit status.
 
     User mistakes (bad flags, missing or corrupt files) print one line and return 2; other
-    ddpkit errors (a NaN loss, diverged replicas) print one line and return 1. Inside a worker
-    that ``ddpkit run`` started, errors propagate instead, so the launcher's failure summary
-    names the rank with the exception type and message.
+    ddpkit errors (a NaN loss, diverged replicas) print one line and return 1; Ctrl-C prints one
+    line and returns 130. Inside a worker that ``ddpkit run`` started, errors propagate
+    instead, so the launcher's failure summary names the rank with the exception type and
+    message.
     """
     parser = build_parser()
     args, unknown = parser.parse_known_args(argv)
@@ -55,3 +56,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             raise
         print(f"ddpkit {args.command}: error: {exc}", file=sys.stderr)
         return 2 if isinstance(exc, (ConfigError, DataError)) else 1
+    except KeyboardInterrupt:  # Ctrl-C: the harness/launcher has stopped the ranks on the way
+        if getattr(args, "_worker", False):
+            raise
+        print(f"ddpkit {args.command}: interrupted; every process it started is stopped.",
+              file=sys.stderr)  # fmt: skip
+        return 130

@@ -83,6 +83,9 @@ def _values(records: list[dict], key: str) -> list[float]:
 def write_plots(epochs: list[dict], steps: list[dict], out_dir: Path) -> list[Path]:
     """Write the four PNGs into ``out_dir`` (created); returns their paths.
 
+    Raises:
+        ConfigError: a PNG cannot be written (read-only folder, a folder in its place).
+
     Epoch-level curves use the epoch number as x; step-level ones the optimizer step, drawn on
     a second x axis scaled to epochs (``step / steps_per_epoch``) where epochs record ``step``.
     """
@@ -121,8 +124,15 @@ def write_plots(epochs: list[dict], steps: list[dict], out_dir: Path) -> list[Pa
         ax.legend()
         fig.tight_layout()
         path = out_dir / name
-        fig.savefig(path, format="png")
-        plt.close(fig)
+        try:
+            fig.savefig(path, format="png")
+        except OSError as exc:
+            raise ConfigError(
+                f"cannot write the plot: path={path} ({exc.strerror}). Pass --out a writable "
+                "folder."
+            ) from exc
+        finally:
+            plt.close(fig)
         paths.append(path)
     return paths
 

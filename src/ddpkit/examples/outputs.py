@@ -94,8 +94,3 @@ def append_record(output_dir: Path, stem: str, record: dict) -> None:
         if new:
             writer.writeheader()
         writer.writerow(clean)
-
-
-def append_metrics(output_dir: Path, record: dict) -> None:
-    """Append one epoch record to metrics.jsonl and metrics.csv."""
-    append_record(output_dir, "metrics", record)

@@ -1,0 +1,102 @@
+"""``ddpkit bench``'s report files and Ctrl-C: a path that cannot take the report is refused
+before anything is measured (one line, exit 2, nothing written), and Ctrl-C stops every rank
+with one line and exit status 130.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from ddpkit.bench.report import write_csv, write_json
+from ddpkit.errors import ConfigError
+from tests.helpers import descendants, pid_alive, run_main
+
+BENCHES = {
+    "allreduce": ["--csv", "{bad}"],
+    "overhead": ["--forms", "raw_ddp", "--csv", "{bad}"],
+    "scaling": ["--csv", "{bad}"],
+}
+
+
+@pytest.mark.parametrize("bench", sorted(BENCHES))
+def test_unwritable_csv_is_refused_before_measuring(tmp_path, capsys, monkeypatch, bench):
+    # a path under a regular file can never be created, even as root
+    (tmp_path / "afile").write_text("")
+    bad = tmp_path / "afile" / "x.csv"
+    started = []
+    monkeypatch.setattr("ddpkit.testing.harness.run_distributed", lambda *a, **k: started.append(a))
+    argv = ["bench", bench, *[arg.format(bad=bad) for arg in BENCHES[bench]]]
+    code, err = run_main(argv, capsys)
+    assert code == 2, err
+    assert f"--csv {bad}: {tmp_path / 'afile'} is not a folder" in err
+    assert len(err.strip().splitlines()) == 1 and "Traceback" not in err, err
+    assert started == []  # refused before any rank was started
+
+
+def test_report_path_that_is_a_folder_is_refused(tmp_path, capsys):
+    code, err = run_main(["bench", "allreduce", "--json", str(tmp_path)], capsys)
+    assert code == 2 and f"--json {tmp_path} is a folder" in err, err
+    assert len(err.strip().splitlines()) == 1, err
+
+
+def test_a_failed_write_is_a_config_error_and_leaves_nothing(tmp_path):
+    (tmp_path / "afile").write_text("")
+    for write, payload in ((write_csv, [{"a": 1}]), (write_json, {"a": 1})):
+        with pytest.raises(ConfigError, match="cannot write the report: path="):
+            write(tmp_path / "afile" / "r.out", payload)
+    target = tmp_path / "dir-in-the-way"
+    target.mkdir()
+    with pytest.raises(ConfigError, match="Is a directory"):
+        write_json(target, {"a": 1})
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["afile", "dir-in-the-way"]
+
+
+def test_ctrl_c_stops_every_rank_with_one_line_exit_130(tmp_path):
+    # Ctrl-C sends SIGINT to the whole foreground process group: the ranks get it too.
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    argv = ["-m", "ddpkit", "bench", "overhead", "--forms", "raw_ddp", "--rounds", "1"]
+    proc = subprocess.Popen(
+        [sys.executable, *argv, "--steps", "100000", "--warmup", "0", "--timeout", "300"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+        start_new_session=True,
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),  # as in a terminal
+    )
+    try:
+        deadline = time.monotonic() + 120
+        ranks: set[int] = set()
+        while len(ranks) < 2 and time.monotonic() < deadline:  # the two spawned ranks
+            time.sleep(0.5)
+            ranks = {p for p in descendants(proc.pid) - {proc.pid} if _is_rank(p)}
+        assert len(ranks) == 2, f"ranks never started: {ranks}"
+        time.sleep(3)  # inside the step loop
+        started = descendants(proc.pid)
+        os.killpg(proc.pid, signal.SIGINT)
+        out, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.communicate()
+    assert proc.returncode == 130, err
+    assert err.strip().splitlines()[-1] == (
+        "ddpkit bench: interrupted; every process it started is stopped."
+    ), err
+    assert "Traceback" not in err.splitlines()[-1]
+    time.sleep(1)
+    assert [pid for pid in started if pid_alive(pid)] == []
+
+
+def _is_rank(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as handle:
+            return b"spawn_main" in handle.read()
+    except OSError:
+        return False
