@@ -100,3 +100,18 @@ def _is_rank(pid: int) -> bool:
             return b"spawn_main" in handle.read()
     except OSError:
         return False
+
+
+def test_a_sweep_that_cannot_fit_in_memory_is_refused_before_allocating(capsys, monkeypatch):
+    # 2 ranks x (buffer + gloo scratch) x 512 MiB = 2 GiB > the 1 GiB available; 256 MiB fits
+    monkeypatch.setattr("ddpkit.bench.allreduce.available_memory_bytes", lambda: 2**30)
+    allocated = []
+    monkeypatch.setattr("ddpkit.bench.allreduce.memcpy_gbps", lambda *a: allocated.append(a))
+    code, err = run_main(["bench", "allreduce", "-b", "4K", "-e", "512M"], capsys)
+    assert code == 2 and allocated == [], err
+    assert "--max-bytes 536870912 bytes need about 2.0 GiB of memory" in err, err
+    assert "but 1.0 GiB is available" in err and len(err.strip().splitlines()) == 1, err
+    from ddpkit.bench.allreduce import memory_problem
+
+    assert memory_problem(256 * 2**20, 2, "gloo") is None  # exactly the available memory
+    assert memory_problem(2**40, 2, "nccl") is None  # GPU memory is not checked here

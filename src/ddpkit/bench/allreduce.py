@@ -31,6 +31,7 @@ import torch
 import torch.distributed as dist
 
 from ddpkit.bench.report import (
+    available_memory_bytes,
     format_table,
     machine,
     machine_line,
@@ -278,6 +279,25 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def memory_problem(max_bytes: int, world_size: int, backend: str) -> str | None:
+    """Why a CPU sweep up to ``max_bytes`` would not fit in memory, or ``None``.
+
+    On CPU (gloo) every rank holds a ``max_bytes`` buffer and gloo a scratch copy of about the
+    same size, and the memory-copy reference holds two before the ranks start: about
+    ``2 * max_bytes * max(world_size, 1)`` at the peak. Refused above the available memory, so
+    an oversized ``--max-bytes`` fails at once instead of in the allocator or the OOM killer.
+    """
+    available = available_memory_bytes()
+    need = 2 * max_bytes * max(world_size, 1)
+    if backend != "gloo" or available is None or need <= available:
+        return None
+    return (
+        f"--max-bytes {max_bytes} bytes need about {need / 2**30:.1f} GiB of memory (a buffer and "
+        f"gloo's scratch copy on each of {world_size} ranks) but {available / 2**30:.1f} GiB "
+        "is available; lower --max-bytes"
+    )
+
+
 def _validate(args: argparse.Namespace) -> dict:
     """Every problem with the flags in one ConfigError; else the plan for :func:`measure`."""
     problems, sizes = [], {}
@@ -316,13 +336,17 @@ def _validate(args: argparse.Namespace) -> dict:
     if problems:
         raise ConfigError(f"invalid benchmark settings: {'; '.join(problems)}. Fix the flags.")
     info = ProcessInfo(world_size=args.nproc, local_world_size=args.nproc)
+    backend = resolve_backend(args.backend, info)
+    problem = memory_problem(sizes["max_bytes"], args.nproc, backend)
+    if problem:
+        raise ConfigError(f"invalid benchmark settings: {problem}. Fix the flags.")
     return {
         "sizes": message_sizes(sizes["min_bytes"], sizes["max_bytes"], args.factor),
         "dtype": args.dtype,
         "warmup": args.warmup,
         "iters": args.iters,
         "budget_s": args.budget_s,
-        "backend": resolve_backend(args.backend, info),
+        "backend": backend,
     }
 
 

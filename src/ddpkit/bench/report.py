@@ -40,6 +40,18 @@ def machine() -> dict:
     }
 
 
+def available_memory_bytes() -> int | None:
+    """``MemAvailable`` of ``/proc/meminfo`` in bytes (``None`` where there is no such file)."""
+    try:
+        with open("/proc/meminfo") as handle:
+            for line in handle:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024  # the file counts in KiB
+    except OSError:
+        return None
+    return None
+
+
 def machine_line(info: dict | None = None) -> str:
     """One line naming the machine, printed above every table."""
     info = info or machine()
