@@ -51,6 +51,20 @@ def test_resume_keeps_completed_records_in_jsonl_and_csv(tmp_path, runtime):
     assert (tmp_path / "steps.csv").read_text().count("step,loss") == 1  # one header
 
 
+def test_a_record_with_new_keys_widens_the_csv_without_dropping_values(tmp_path):
+    # a run resumed with --step-timing on after off: later epoch records carry more keys
+    append_record(tmp_path, "metrics", {"epoch": 1, "train_loss": 0.5})
+    append_record(tmp_path, "metrics", {"epoch": 2, "train_loss": 0.4, "forward_s_per_step": 0.1})
+    append_record(tmp_path, "metrics", {"epoch": 3, "train_loss": 0.3, "forward_s_per_step": 0.2})
+    append_record(tmp_path, "metrics", {"epoch": 4, "train_loss": 0.2})
+    rows = _csv_rows(tmp_path / "metrics.csv")
+    assert list(rows[0]) == ["epoch", "train_loss", "forward_s_per_step"]
+    assert [r["forward_s_per_step"] for r in rows] == ["", "0.1", "0.2", ""]
+    assert [r["epoch"] for r in rows] == ["1", "2", "3", "4"]
+    assert len(read_records(tmp_path / "metrics.jsonl")) == 4
+    assert not list(tmp_path.glob(".*"))  # no temporary file left
+
+
 def test_new_run_removes_every_record_and_event_file(tmp_path, runtime):
     _fill(tmp_path)
     reset_outputs(tmp_path, runtime, completed_epochs=None)

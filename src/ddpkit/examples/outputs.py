@@ -77,7 +77,9 @@ def _rewrite(output_dir: Path, stem: str, records: list[dict]) -> None:
 def append_record(output_dir: Path, stem: str, record: dict) -> None:
     """Append ``record`` to ``<stem>.jsonl`` and ``<stem>.csv`` (non-finite floats: null/empty).
 
-    The CSV's columns are the first record's keys; later records fill those columns.
+    The CSV's columns are the first record's keys; later records fill those columns (empty
+    where a record lacks one). A record with a new key rewrites the CSV from the JSONL with
+    every key seen, so no value is dropped.
     """
     clean = {k: finite_or_none(v) if isinstance(v, float) else v for k, v in record.items()}
     with (output_dir / f"{stem}.jsonl").open("a") as handle:
@@ -89,8 +91,22 @@ def append_record(output_dir: Path, stem: str, record: dict) -> None:
     else:
         with path.open(newline="") as handle:
             columns = next(csv.reader(handle))
+        if set(clean) - set(columns):  # e.g. resumed with --step-timing on after off
+            _rewrite_csv(output_dir, stem)
+            return
     with path.open("a", newline="") as handle:
         writer = csv.DictWriter(handle, columns, extrasaction="ignore")
         if new:
             writer.writeheader()
         writer.writerow(clean)
+
+
+def _rewrite_csv(output_dir: Path, stem: str) -> None:
+    records = read_records(output_dir / f"{stem}.jsonl")
+    columns = list(dict.fromkeys(key for record in records for key in record))
+    tmp = output_dir / f".{stem}.csv.tmp"
+    with tmp.open("w", newline="") as handle:
+        writer = csv.DictWriter(handle, columns)
+        writer.writeheader()
+        writer.writerows(records)
+    os.replace(tmp, output_dir / f"{stem}.csv")
