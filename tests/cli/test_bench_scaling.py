@@ -51,3 +51,29 @@ def test_bad_input_is_one_line_exit_2(tmp_path, capsys, extra, expected):
     assert code == 2
     assert expected in err
     assert len(err.strip().splitlines()) == 1, err
+
+
+def test_more_processes_than_cores_gets_a_note_on_stderr(capsys, monkeypatch):
+    monkeypatch.setattr("os.cpu_count", lambda: 2)
+    monkeypatch.setattr("torch.cuda.is_available", lambda: False)
+    runs = []
+
+    def fake_run_form(form, nproc, settings):
+        runs.append(nproc)
+        return {"samples_per_s": 100.0 * nproc}
+
+    monkeypatch.setattr(scaling.steploop, "run_form", fake_run_form)
+    code = scaling.run(_args(max_nproc=3))
+    err = capsys.readouterr().err
+    assert code == 0 and sorted(runs) == [1, 2, 3]
+    assert "note: 3 processes on 2 CPU cores: from 3 processes on, ranks share cores" in err
+    code = scaling.run(_args(max_nproc=2))
+    assert code == 0 and "note:" not in capsys.readouterr().err
+
+
+def _args(max_nproc: int):
+    import argparse
+
+    parser = argparse.ArgumentParser()
+    scaling.add_arguments(parser)
+    return parser.parse_args(["--max-nproc", str(max_nproc), "--rounds", "1", "--json"])

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 
 from ddpkit.bench.report import output_problem
 from ddpkit.bench.steploop import (
@@ -179,4 +180,18 @@ def settings_line(record: dict) -> str:
         f"data: {record['data']}; batch {record['batch_size_per_rank']} per rank, "
         f"{record['num_warmup_steps']} warm-up + {record['num_steps']} timed steps, "
         f"{record['rounds']} round(s), OMP_NUM_THREADS={record['omp_num_threads']}"
+    )
+
+
+def oversubscription_note(nproc: int) -> str | None:
+    """A note when ``nproc`` CPU processes outnumber the cores (their figures then measure the
+    cores being shared, not the training loop); ``None`` with CUDA or enough cores."""
+    import torch
+
+    cores = os.cpu_count() or 1
+    if torch.cuda.is_available() or nproc <= cores:
+        return None
+    return (
+        f"note: {nproc} processes on {cores} CPU cores: from {cores + 1} processes on, ranks "
+        "share cores, so throughput and efficiency there measure the oversubscription"
     )

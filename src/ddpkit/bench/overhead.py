@@ -116,6 +116,9 @@ def run(args: argparse.Namespace) -> int:
     settings = options.settings_from_args(args, max(args.nproc, 1), problems)
     if not forms:
         raise ConfigError("no form to run: every form asked for is skipped. Check --forms.")
+    note = options.oversubscription_note(args.nproc)
+    if note:
+        print(note, file=sys.stderr)
     per_round = measure(forms, args.nproc, settings, args.rounds)
     summary = summarize(per_round, forms)
     record = {**options.settings_record(settings, args.rounds), "nproc": args.nproc}

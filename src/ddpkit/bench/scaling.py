@@ -86,6 +86,9 @@ def run(args: argparse.Namespace) -> int:
     if max_nproc < 1:
         problems.append(f"--max-nproc {max_nproc} must be >= 1")
     settings = options.settings_from_args(args, max(max_nproc, 1), problems)
+    note = options.oversubscription_note(max_nproc)
+    if note:
+        print(note, file=sys.stderr)
     counts = list(range(1, max_nproc + 1))
     rates: dict[int, list[float]] = {nproc: [] for nproc in counts}
     for index in range(args.rounds):
