@@ -130,6 +130,11 @@ def test_plot_refuses_bad_folders(tmp_path, capsys):
     for name, expected in cases.items():
         code, err = run_main(["plot", str(tmp_path / name)], capsys)
         assert code == 2 and expected in err and len(err.strip().splitlines()) == 1, err
+    # a run stopped inside epoch 1: step records, no epoch record yet
+    (tmp_path / "nometrics" / "steps.jsonl").write_text('{"step": 5}\n{"step": 10}\n')
+    code, err = run_main(["plot", str(tmp_path / "nometrics")], capsys)
+    assert code == 2 and "steps.jsonl holds 2 step record(s), up to step 10" in err, err
+    assert "plot again after epoch 1 ends" in err and len(err.strip().splitlines()) == 1, err
 
 
 def test_plot_into_an_unwritable_place_is_one_line_exit_2(tmp_path, capsys):

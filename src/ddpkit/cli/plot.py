@@ -61,11 +61,17 @@ def load_run(output_dir: Path) -> tuple[list[dict], list[dict]]:
                 f"cannot read {path}: {str(exc).splitlines()[0]}. It must hold one JSON object "
                 "per line, as ddpkit train writes; rerun the training to regenerate it."
             ) from exc
-    epochs = records["metrics.jsonl"]
+    epochs, steps = records["metrics.jsonl"], records["steps.jsonl"]
     if not epochs:
+        so_far = (
+            f"; steps.jsonl holds {len(steps)} step record(s), up to step {steps[-1].get('step')}"
+            if steps
+            else ""
+        )
         raise ConfigError(
-            f"no epoch records in {output_dir / 'metrics.jsonl'} (missing or empty). Plot a "
-            "folder where ddpkit train completed at least one epoch."
+            f"no epoch records in {output_dir / 'metrics.jsonl'} (missing or empty){so_far}. "
+            "The plots need one completed epoch: plot again after epoch 1 ends (steps.csv "
+            "holds the step records meanwhile)."
         )
     missing = sorted({k for r in epochs for k in EPOCH_KEYS if k not in r})
     if missing:
@@ -73,7 +79,7 @@ def load_run(output_dir: Path) -> tuple[list[dict], list[dict]]:
             f"{output_dir / 'metrics.jsonl'}: records lack {', '.join(missing)}. Plot the "
             "output of ddpkit train."
         )
-    return epochs, records["steps.jsonl"]
+    return epochs, steps
 
 
 def _values(records: list[dict], key: str) -> list[float]:
