@@ -62,7 +62,7 @@ def test_ctrl_c_stops_every_rank_with_one_line_exit_130(tmp_path):
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     argv = ["-m", "ddpkit", "bench", "overhead", "--forms", "raw_ddp", "--rounds", "1"]
     proc = subprocess.Popen(
-        [sys.executable, *argv, "--steps", "100000", "--warmup", "0", "--timeout", "300"],
+        [sys.executable, *argv, "--steps", "400", "--warmup", "0", "--timeout", "300"],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,

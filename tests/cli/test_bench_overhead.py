@@ -113,6 +113,7 @@ def test_a_failing_form_is_one_line_naming_it():
     [
         (["--forms", "raw_ddp", "horovod"], "unknown form 'horovod'"),
         (["--rounds", "0", "--steps", "0"], "--rounds 0 must be >= 1; --steps 0 must be >= 1"),
+        (["--steps", "100000"], "= 12801280 samples exceed 60000 (MNIST's training set"),
         (["--nproc", "1"], "--nproc 1 must be >= 2"),
         (["--data-dir", "{tmp}/no-such-dir"], "data dir not found"),
         (["--forms", "fabric"], "form fabric asked for but not installed: pip install"),

@@ -17,6 +17,8 @@ from ddpkit.bench.steploop import (
 )
 from ddpkit.errors import ConfigError
 
+MAX_SAMPLES = 60000  # MNIST training images: the most one run may step through
+
 
 def check_forms(
     requested: list[str] | None, compression: str | None
@@ -60,7 +62,8 @@ def check_settings(
 
     Raises:
         ConfigError: steps < 1, warm-up < 0, batch size < 1, timeout <= 0, a missing
-            ``data_dir``, more steps than the MNIST training set holds, or any of ``problems``.
+            ``data_dir``, more samples than the MNIST training set holds (:data:`MAX_SAMPLES`,
+            with the random data too), or any of ``problems``.
     """
     problems = list(problems or [])
     if settings.num_steps < 1:
@@ -71,10 +74,15 @@ def check_settings(
         problems.append(f"--batch-size {settings.batch_size} must be >= 1")
     if not settings.timeout_s > 0:
         problems.append(f"--timeout {settings.timeout_s} must be > 0 seconds")
-    if settings.data_dir is not None:
-        total = (settings.num_steps + settings.num_warmup_steps) * settings.batch_size * max_nproc
-        if total > 60000:
-            problems.append(f"{total} samples per run exceed MNIST's 60000 training images")
+    # one pass over at most MNIST's training set; the random data is held in memory the same
+    # way (--steps 100000 would otherwise ask for 40 GB of random images)
+    total = (settings.num_steps + settings.num_warmup_steps) * settings.batch_size * max_nproc
+    if total > MAX_SAMPLES:
+        problems.append(
+            f"(--warmup + --steps) x --batch-size x processes = {total} samples exceed "
+            f"{MAX_SAMPLES} (MNIST's training set, one pass; the random data has the same "
+            "limit): use fewer steps"
+        )
     if problems:
         raise ConfigError(f"bad benchmark settings: {'; '.join(problems)}.")
     if settings.data_dir is not None:
