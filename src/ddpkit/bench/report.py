@@ -3,7 +3,6 @@ and CSV/JSON files (written atomically)."""
 
 from __future__ import annotations
 
-import contextlib
 import csv
 import io
 import json
@@ -14,6 +13,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from ddpkit.errors import ConfigError
+from ddpkit.files import unwritable_ancestor, write_text_atomic
 
 
 def median(values: Sequence[float]) -> float:
@@ -92,25 +92,20 @@ def output_problem(flag: str, path: str | Path | None) -> str | None:
     path = Path(path)
     if path.is_dir():
         return f"{flag} {path} is a folder; name a file in it"
-    parent = path.parent
-    while not parent.exists() and parent != parent.parent:
-        parent = parent.parent
-    if not parent.is_dir():
+    blocked = unwritable_ancestor(path.parent)
+    if blocked is None:
+        return None
+    parent, why = blocked
+    if why == "not a folder":
         return f"{flag} {path}: {parent} is not a folder"
-    if not os.access(parent, os.W_OK | os.X_OK):
-        return f"{flag} {path}: folder {parent} is not writable"
-    return None
+    return f"{flag} {path}: folder {parent} is not writable"
 
 
 def _write_atomic(path: Path, text: str) -> None:
-    tmp = path.with_name(f".{path.name}.tmp")
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        tmp.write_text(text)
-        os.replace(tmp, path)
+        write_text_atomic(path, text)
     except OSError as exc:
-        with contextlib.suppress(OSError):
-            tmp.unlink(missing_ok=True)
         raise ConfigError(
             f"cannot write the report: path={path} ({exc.strerror}). Pass a path in a "
             "writable folder."

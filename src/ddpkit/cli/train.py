@@ -33,6 +33,7 @@ from ddpkit.distributed.process_group import BACKENDS
 from ddpkit.errors import ConfigError
 from ddpkit.examples.mnist import OPTIMIZERS, TrainConfig, resume_settings, train_mnist
 from ddpkit.examples.mnist_data import DATASETS, DataSource, resolve_data
+from ddpkit.files import unwritable_ancestor
 from ddpkit.launch.launcher import LaunchSpec, launch
 
 WORKER_FLAG = "--_worker"
@@ -220,14 +221,13 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
 
 def _output_dir_problem(path: Path) -> str | None:
     """Why ``path`` cannot be an output folder, checked without creating anything."""
-    probe = path.expanduser().absolute()
-    while not probe.exists():
-        probe = probe.parent
-    if not probe.is_dir():
+    blocked = unwritable_ancestor(path)
+    if blocked is None:
+        return None
+    probe, why = blocked
+    if why == "not a folder":
         return f"--output-dir {path} is not usable: {probe} is a file, not a folder"
-    if not os.access(probe, os.W_OK | os.X_OK):
-        return f"--output-dir {path} is not writable (no write permission on {probe})"
-    return None
+    return f"--output-dir {path} is not writable (no write permission on {probe})"
 
 
 def _worker_argv(args: argparse.Namespace, source: DataSource) -> list[str]:

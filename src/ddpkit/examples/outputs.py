@@ -8,14 +8,15 @@ formats, the CSV header taken from the first record. ``summary.json`` is written
 from __future__ import annotations
 
 import csv
+import io
 import json
 import math
-import os
 import shutil
 from pathlib import Path
 
 from ddpkit.distributed.collectives import barrier
 from ddpkit.distributed.process_group import Runtime
+from ddpkit.files import write_text_atomic
 
 
 def finite_or_none(value: float) -> float | None:
@@ -23,9 +24,7 @@ def finite_or_none(value: float) -> float | None:
 
 
 def write_json_atomic(path: Path, payload: dict) -> None:
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(json.dumps(payload, indent=2, allow_nan=False) + "\n")
-    os.replace(tmp, path)
+    write_text_atomic(path, json.dumps(payload, indent=2, allow_nan=False) + "\n")
 
 
 RECORD_FILES = {"metrics": "epoch", "steps": "step"}  # file stem -> the record's counter key
@@ -104,9 +103,8 @@ def append_record(output_dir: Path, stem: str, record: dict) -> None:
 def _rewrite_csv(output_dir: Path, stem: str) -> None:
     records = read_records(output_dir / f"{stem}.jsonl")
     columns = list(dict.fromkeys(key for record in records for key in record))
-    tmp = output_dir / f".{stem}.csv.tmp"
-    with tmp.open("w", newline="") as handle:
-        writer = csv.DictWriter(handle, columns)
-        writer.writeheader()
-        writer.writerows(records)
-    os.replace(tmp, output_dir / f"{stem}.csv")
+    buffer = io.StringIO(newline="")
+    writer = csv.DictWriter(buffer, columns)
+    writer.writeheader()
+    writer.writerows(records)
+    write_text_atomic(output_dir / f"{stem}.csv", buffer.getvalue())

@@ -1,0 +1,39 @@
+"""Small file helpers shared by ddpkit's outputs: atomic text writes and the check that a path
+can be written, made before any work starts."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from pathlib import Path
+
+
+def write_text_atomic(path: Path, text: str) -> None:
+    """Write ``text`` to ``path`` through a temporary file in the same folder and a rename, so a
+    reader sees the old file or the new one, never half of one.
+
+    Raises:
+        OSError: the file cannot be written; the temporary file is removed first.
+    """
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.tmp")
+    try:
+        tmp.write_text(text)
+        os.replace(tmp, path)
+    except OSError:
+        with contextlib.suppress(OSError):
+            tmp.unlink(missing_ok=True)
+        raise
+
+
+def unwritable_ancestor(folder: Path) -> tuple[Path, str] | None:
+    """Why ``folder`` (existing or to be created) cannot hold new files, checked without creating
+    anything: ``(nearest existing ancestor, "not a folder" | "not writable")``, or ``None``."""
+    probe = Path(folder).expanduser().absolute()
+    while not probe.exists():
+        probe = probe.parent
+    if not probe.is_dir():
+        return probe, "not a folder"
+    if not os.access(probe, os.W_OK | os.X_OK):
+        return probe, "not writable"
+    return None
