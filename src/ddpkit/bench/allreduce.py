@@ -350,23 +350,6 @@ def _validate(args: argparse.Namespace) -> dict:
     }
 
 
-def _one_line(exc: AssertionError) -> str:
-    """The first failed rank's last traceback line from the harness's report."""
-    lines = str(exc).splitlines()
-    for index, line in enumerate(lines):
-        if line.startswith("--- rank") and "raised" in line:
-            block = []
-            for rest in lines[index + 1 :]:
-                if rest.startswith("--- rank"):
-                    break
-                block.append(rest)
-            last = [text for text in block if text.strip()][-1]
-            return f"{line[4:].rstrip(':')}: {last.strip()}"
-        if line.startswith("--- rank"):
-            return line[4:]
-    return lines[0]
-
-
 def run_ranks(plan: dict, world_size: int, timeout_s: float) -> list[tuple[int, float, int]]:
     """Start ``world_size`` ranks (spawned, FileStore rendezvous) and run :func:`measure`.
 
@@ -387,7 +370,7 @@ def run_ranks(plan: dict, world_size: int, timeout_s: float) -> list[tuple[int, 
         )
     except DistributedTestError as exc:
         raise DistributedError(
-            f"all-reduce benchmark failed, every rank stopped: {_one_line(exc)}"
+            f"all-reduce benchmark failed, every rank stopped: {exc.first_cause()}"
         ) from None
     return results[0]
 

@@ -127,13 +127,9 @@ def run_form(form: str, nproc: int, settings: StepLoopSettings) -> dict:
             init=False,
         )
     except DistributedTestError as exc:
-        lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
-        header = lines[0].rstrip(":")  # "1 of 2 rank(s) failed" or "timed out after ..."
-        causes = [line for line in lines[1:] if not line.startswith("--- rank")]
-        died = [line.lstrip("- ") for line in lines[1:] if " died " in line]
-        cause = (causes or died or ["no error message"])[-1].rstrip(".")[:300]
+        cause = exc.first_cause().rstrip(".")[:300]
         raise DistributedError(
-            f"form {form} failed on {nproc} process(es) ({header}): {cause}. Rerun that form "
+            f"form {form} failed on {nproc} process(es) ({exc.header}): {cause}. Rerun that form "
             "alone to see it (ddpkit bench overhead --forms ...)."
         ) from None
     seconds = [result["seconds"] for result in results]

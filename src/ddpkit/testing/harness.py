@@ -34,7 +34,32 @@ from typing import Any
 
 
 class DistributedTestError(AssertionError):
-    """A rank failed, died or timed out; the message carries every failed rank's traceback."""
+    """A rank failed, died or timed out; the message carries every failed rank's traceback.
+
+    Attributes:
+        header: the first line: ``"1 of 2 rank(s) failed"`` or ``"timed out after ..."``.
+        failures: ``{rank: traceback text, or "died with exit code N"}`` of the failed ranks.
+    """
+
+    def __init__(self, header: str, failures: dict[int, str] | None = None) -> None:
+        self.header = header
+        self.failures = dict(failures or {})
+        blocks = [
+            f"--- rank {rank} {text}" if text.startswith("died") else
+            f"--- rank {rank} raised:\n{text}"
+            for rank, text in self.failures.items()
+        ]  # fmt: skip
+        super().__init__("\n".join([header + (":" if blocks else ""), *blocks]))
+
+    def first_cause(self) -> str:
+        """One line: ``"rank R raised: <last traceback line>"``, ``"rank R died with exit code
+        N"``, or the header when no rank failed (a timeout)."""
+        for rank, text in self.failures.items():
+            if text.startswith("died"):
+                return f"rank {rank} {text}"
+            last = [line.strip() for line in text.splitlines() if line.strip()] or ["?"]
+            return f"rank {rank} raised: {last[-1]}"
+        return self.header
 
 
 def _worker(
@@ -155,7 +180,7 @@ def _collect(procs: list[mp.process.BaseProcess], workdir: Path, timeout_s: floa
     deadline = time.monotonic() + timeout_s
     results: dict[int, Any] = {}
     while len(results) < len(procs):
-        failures = []
+        failures: dict[int, str] = {}
         for rank, proc in enumerate(procs):
             if rank in results:
                 continue
@@ -163,16 +188,14 @@ def _collect(procs: list[mp.process.BaseProcess], workdir: Path, timeout_s: floa
             if path.exists():
                 status, value = pickle.loads(path.read_bytes())
                 if status == "error":
-                    failures.append(f"--- rank {rank} raised:\n{value}")
+                    failures[rank] = value
                 results[rank] = value
             elif not proc.is_alive() and not path.exists():  # exited without a result
-                failures.append(f"--- rank {rank} died with exit code {proc.exitcode}")
+                failures[rank] = f"died with exit code {proc.exitcode}"
                 results[rank] = None
         if failures:
             _kill_all(procs)
-            raise DistributedTestError(
-                f"{len(failures)} of {len(procs)} rank(s) failed:\n" + "\n".join(failures)
-            )
+            raise DistributedTestError(f"{len(failures)} of {len(procs)} rank(s) failed", failures)
         if time.monotonic() > deadline:
             missing = [rank for rank in range(len(procs)) if rank not in results]
             _kill_all(procs)
