@@ -237,8 +237,9 @@ def add_observe_arguments(parser: argparse.ArgumentParser, defaults: TrainConfig
     )
     group.add_argument(
         "--step-timing",
-        choices=("on", "off"),
-        default="on" if defaults.step_timing else "off",
+        type=on_off,
+        metavar="{on,off}",
+        default=defaults.step_timing,
         help="split each step's time into data wait, forward, backward (with DDP's overlapped "
         "all-reduce) and optimizer, in seconds per step in metrics.jsonl/csv (default on; "
         "free on CPU, on CUDA it synchronizes the GPU at each phase boundary)",
@@ -252,10 +253,15 @@ def add_observe_arguments(parser: argparse.ArgumentParser, defaults: TrainConfig
     )
 
 
+def on_off(text: str) -> bool:
+    """``on`` -> True, ``off`` -> False (an argparse ``type``)."""
+    if text not in ("on", "off"):
+        raise argparse.ArgumentTypeError(f"invalid choice: {text!r} (choose from 'on', 'off')")
+    return text == "on"
+
+
 def observe_problems(args: argparse.Namespace) -> list[str]:
-    """Problems of the observability flags; turns ``--step-timing on|off`` into a bool."""
-    if isinstance(args.step_timing, str):
-        args.step_timing = args.step_timing == "on"
+    """Problems of the observability flags."""
     if args.log_every < 0:
         return [f"--log-every {args.log_every} must be >= 0 (0 = no step records)"]
     return []
