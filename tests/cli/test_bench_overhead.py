@@ -1,8 +1,8 @@
 """``ddpkit bench overhead``: every form runs the same work, the ratios are per-round medians,
 and bad input is one line with exit status 2.
 
-The small run (1 round, 1 warm-up + 4 timed steps, 2 processes per form) is shared by the tests
-that read its JSON; it starts 2 x 5 fresh processes.
+The small run (1 round, 1 warm-up + 4 timed steps, 2 processes per form, local SGD averaging
+every 5 steps) is shared by the tests that read its JSON; it starts 2 x 6 fresh processes.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from ddpkit.errors import DistributedError
 from tests.helpers import run_cli, run_main
 
 FORMS = ("raw_ddp", "ddpkit", "accelerate", "fabric", "no_sync")
-SMALL = ["--rounds", "1", "--steps", "4", "--warmup", "1"]
+SMALL = ["--rounds", "1", "--steps", "4", "--warmup", "1", "--sync-every", "5"]
 
 
 @pytest.fixture(scope="module")
@@ -35,7 +35,7 @@ def test_json_holds_every_form_with_per_round_ratios(small_run):
     assert set(FORMS) <= set(report) and report["skipped"] == {}
     raw, no_sync = report["raw_ddp"], report["no_sync"]
     assert raw["ratio_to_raw_ddp"] == 1.0 and no_sync["ratio_to_no_sync"] == 1.0
-    for form in FORMS:
+    for form in (*FORMS, "ddpkit_local_sgd"):
         entry = report[form]
         assert entry["samples_per_s"] > 0
         assert entry["samples_per_s_per_round"] == [entry["samples_per_s"]]  # 1 round
@@ -44,11 +44,12 @@ def test_json_holds_every_form_with_per_round_ratios(small_run):
         assert entry["ratio_to_no_sync"] == pytest.approx(rate / no_sync["samples_per_s"], 1e-12)
     settings = report["settings"]
     assert settings["nproc"] == 2 and settings["batch_size_per_rank"] == 64
+    assert settings["local_sgd_period"] == 5
     assert (settings["num_steps"], settings["num_warmup_steps"], settings["rounds"]) == (4, 1, 1)
     assert settings["data"].startswith("random MNIST-shaped") and settings["omp_num_threads"] >= 1
     assert report["machine"]["torch"]
     rows = list(csv.DictReader(table.open()))
-    assert [row["form"] for row in rows] == list(FORMS)
+    assert [row["form"] for row in rows] == [*FORMS, "ddpkit_local_sgd"]
     assert float(rows[0]["samples_per_s"]) == pytest.approx(raw["samples_per_s"])
 
 
@@ -68,6 +69,11 @@ def test_forms_do_the_same_work_and_no_sync_does_not_sync(small_run):
     alone = report["no_sync"]["param_checksum_per_rank"]
     assert abs(alone[0] - alone[1]) > 1e-3
     assert abs(alone[0] - raw[0]) > 1e-3
+    # local SGD: each rank steps on its own gradients, parameters averaged after step 5 (the
+    # last of 1 + 4): replicas equal, and neither the synced path nor one rank alone
+    local = report["ddpkit_local_sgd"]["param_checksum_per_rank"]
+    assert local[0] == pytest.approx(local[1], abs=1e-9)
+    assert abs(local[0] - raw[0]) > 1e-4 and min(abs(local[0] - a) for a in alone) > 1e-4
 
 
 def test_ratios_are_medians_of_the_per_round_quotients():
@@ -92,8 +98,12 @@ def test_ratios_are_medians_of_the_per_round_quotients():
 
 def test_missing_optional_package_is_skipped_with_the_install_hint(monkeypatch):
     monkeypatch.setattr(options, "is_installed", lambda form: form != "fabric")
-    forms, skipped = options.check_forms(None, "fp16")
-    assert forms == ["raw_ddp", "ddpkit", "accelerate", "no_sync", "ddpkit_fp16"]
+    forms, skipped = options.check_forms(None, "fp16", local_sgd=True)
+    assert forms == [
+        *("raw_ddp", "ddpkit", "accelerate", "no_sync"),
+        "ddpkit_fp16",
+        "ddpkit_local_sgd",
+    ]
     assert skipped == {"fabric": "not installed: pip install 'ddpkit[bench]'"}
 
 
@@ -115,6 +125,7 @@ def test_a_failing_form_is_one_line_naming_it():
         (["--rounds", "0", "--steps", "0"], "--rounds 0 must be >= 1; --steps 0 must be >= 1"),
         (["--steps", "100000"], "= 12801280 samples exceed 60000 (MNIST's training set"),
         (["--nproc", "1"], "--nproc 1 must be >= 2"),
+        (["--sync-every", "1"], "--sync-every 1 must be >= 2 (1 is plain DDP)"),
         (["--data-dir", "{tmp}/no-such-dir"], "data dir not found"),
         (["--forms", "fabric"], "form fabric asked for but not installed: pip install"),
     ],

@@ -10,6 +10,7 @@ from ddpkit.bench.steploop import (
     BASE_FORMS,
     COMPRESSIONS,
     INSTALL_HINT,
+    LOCAL_SGD_FORM,
     StepLoopSettings,
     data_description,
     default_num_threads,
@@ -21,13 +22,14 @@ MAX_SAMPLES = 60000  # MNIST training images: the most one run may step through
 
 
 def check_forms(
-    requested: list[str] | None, compression: str | None
+    requested: list[str] | None, compression: str | None, local_sgd: bool = False
 ) -> tuple[list[str], dict[str, str]]:
     """The forms to run, in canonical order, and those skipped with the reason.
 
     Args:
         requested: the forms asked for (``None``: all, skipping uninstalled optional ones).
         compression: ``fp16``, ``bf16`` or ``powersgd`` adds the form ``ddpkit_<compression>``.
+        local_sgd: add the form ``ddpkit_local_sgd`` (after any compression form).
 
     Raises:
         ConfigError: an unknown form or compression, or a form named explicitly whose package
@@ -51,6 +53,8 @@ def check_forms(
     forms = [name for name in BASE_FORMS if name in names and name not in missing]
     if compression is not None:
         forms.append(f"ddpkit_{compression}")
+    if local_sgd:
+        forms.append(LOCAL_SGD_FORM)
     return forms, {name: INSTALL_HINT for name in missing}
 
 

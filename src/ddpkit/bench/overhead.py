@@ -3,6 +3,7 @@ Fabric and the no-sync ceiling, interleaved in one command.
 
     ddpkit bench overhead                          # 2 processes, 5 rounds, random data
     ddpkit bench overhead --compression fp16 --json
+    ddpkit bench overhead --forms raw_ddp ddpkit no_sync --sync-every 8
     ddpkit bench overhead --forms raw_ddp ddpkit --rounds 9 --data-dir ../shared/data/mnist
 
 Each round runs every form once, in fresh processes, the order rotated each round. Per form it
@@ -14,12 +15,14 @@ without any communication). See :mod:`ddpkit.bench.steploop` for what each form 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 from pathlib import Path
 
 from ddpkit.bench import options, steploop
 from ddpkit.bench.report import format_table, machine, machine_line, median, write_csv
+from ddpkit.bench.steploop import LOCAL_SGD_FORM
 from ddpkit.errors import ConfigError
 
 COLUMNS = (
@@ -46,6 +49,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         choices=steploop.COMPRESSIONS,
         help="also run ddpkit with this gradient compression (form ddpkit_<name>; "
         "as ddpkit train --grad-compression)",
+    )
+    parser.add_argument(
+        "--sync-every",
+        type=int,
+        metavar="H",
+        help="also run ddpkit with local SGD, parameters averaged every H >= 2 steps (form "
+        "ddpkit_local_sgd; as ddpkit train --sync-every H)",
     )
     options.add_loop_arguments(parser)
 
@@ -109,11 +119,17 @@ def _replicas(checksums: list[float]) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
-    forms, skipped = options.check_forms(args.forms, args.compression)
+    forms, skipped = options.check_forms(
+        args.forms, args.compression, local_sgd=args.sync_every is not None
+    )
     problems = []
+    if args.sync_every is not None and args.sync_every < 2:
+        problems.append(f"--sync-every {args.sync_every} must be >= 2 (1 is plain DDP)")
     if args.nproc < 2:  # overhead compares gradient sync between processes
         problems.append(f"--nproc {args.nproc} must be >= 2 (for 1 process: bench scaling)")
     settings = options.settings_from_args(args, max(args.nproc, 1), problems)
+    if args.sync_every is not None:
+        settings = dataclasses.replace(settings, local_sgd_period=args.sync_every)
     if not forms:
         raise ConfigError("no form to run: every form asked for is skipped. Check --forms.")
     note = options.oversubscription_note(args.nproc)
@@ -122,6 +138,8 @@ def run(args: argparse.Namespace) -> int:
     per_round = measure(forms, args.nproc, settings, args.rounds)
     summary = summarize(per_round, forms)
     record = {**options.settings_record(settings, args.rounds), "nproc": args.nproc}
+    if LOCAL_SGD_FORM in forms:
+        record["local_sgd_period"] = settings.local_sgd_period
     rows = [{"form": form, **values} for form, values in summary.items()]
     if args.csv:
         write_csv(Path(args.csv), [_csv_row(row) for row in rows])
@@ -130,7 +148,9 @@ def run(args: argparse.Namespace) -> int:
         print(json.dumps(payload, indent=2, allow_nan=False))
         return 0
     print(machine_line())
-    print(f"{options.settings_line(record)}, {args.nproc} processes")
+    period = record.get("local_sgd_period")
+    local_sgd = f", ddpkit_local_sgd averages every {period} steps" if period else ""
+    print(f"{options.settings_line(record)}, {args.nproc} processes{local_sgd}")
     table_rows = [{**row, "replicas": _replicas(row["param_checksum_per_rank"])} for row in rows]
     print(format_table(table_rows, COLUMNS))
     for form, reason in skipped.items():

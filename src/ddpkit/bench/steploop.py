@@ -15,7 +15,8 @@ write it:
   at ``ddpkit train``'s defaults (``wrap_model``: DDP's built-in all-reduce, no hook),
   ``build_train_loader`` and :class:`~ddpkit.training.accumulation.GradientAccumulator` windows
   stepped through :class:`~ddpkit.training.precision.MixedPrecision`, as ``train_one_epoch`` does;
-  ``ddpkit_fp16|bf16|powersgd`` adds ``grad_compression``;
+  ``ddpkit_fp16|bf16|powersgd`` adds ``grad_compression``; ``ddpkit_local_sgd`` is local SGD
+  with parameters averaged every ``local_sgd_period`` steps (``ddpkit train --sync-every H``);
 - ``accelerate``: ``Accelerator()`` + ``prepare`` + ``accelerator.backward``;
 - ``fabric``: ``Fabric(strategy="ddp")`` + ``setup`` + ``setup_dataloaders`` + ``fabric.backward``.
 
@@ -45,6 +46,7 @@ from ddpkit.errors import ConfigError, DistributedError
 
 BASE_FORMS = ("raw_ddp", "ddpkit", "accelerate", "fabric", "no_sync")
 COMPRESSIONS = ("fp16", "bf16", "powersgd")
+LOCAL_SGD_FORM = "ddpkit_local_sgd"
 # each form's package, in the order tried (Fabric ships alone and inside the `lightning` package)
 OPTIONAL_MODULES = {
     "accelerate": ("accelerate",),
@@ -69,6 +71,8 @@ class StepLoopSettings:
         seed: model initialisation and shuffle seed.
         lr: Adam's learning rate (``ddpkit train``'s default peak LR).
         timeout_s: the whole run of one form is killed after this many seconds.
+        local_sgd_period: H of the ``ddpkit_local_sgd`` form (parameters averaged after every
+            H-th step); unused by the other forms.
     """
 
     batch_size: int = 64
@@ -79,6 +83,7 @@ class StepLoopSettings:
     seed: int = 0
     lr: float = 3e-3
     timeout_s: float = 300.0
+    local_sgd_period: int = 8
 
 
 def is_installed(form: str) -> bool:
@@ -151,6 +156,8 @@ def form_worker(store: dist.Store, form: str, settings: StepLoopSettings) -> dic
     data = _dataset(settings, int(os.environ["WORLD_SIZE"]))
     if form in ("raw_ddp", "no_sync"):
         return _raw_form(store, data, settings, sync=form == "raw_ddp")
+    if form == LOCAL_SGD_FORM:
+        return _ddpkit_form(store, data, settings, "none", settings.local_sgd_period)
     if form == "ddpkit" or form.startswith("ddpkit_"):
         return _ddpkit_form(store, data, settings, form.partition("_")[2] or "none")
     if form == "accelerate":
@@ -265,7 +272,9 @@ def _raw_form(store: dist.Store, data, settings: StepLoopSettings, sync: bool) -
         return _result(model, seconds)
 
 
-def _ddpkit_form(store: dist.Store, data, settings: StepLoopSettings, compression: str) -> dict:
+def _ddpkit_form(
+    store: dist.Store, data, settings: StepLoopSettings, compression: str, sync_every: int = 1
+) -> dict:
     from ddpkit.distributed.process_group import init_runtime
     from ddpkit.distributed.sampler import build_train_loader
     from ddpkit.examples.mnist import TrainConfig, build_model_and_optimizer
@@ -274,7 +283,7 @@ def _ddpkit_form(store: dist.Store, data, settings: StepLoopSettings, compressio
 
     config = TrainConfig(
         batch_size=settings.batch_size, lr=settings.lr, seed=settings.seed,
-        grad_compression=compression,
+        grad_compression=compression, sync_every=sync_every,
     )  # fmt: skip
     stall_timeout_s = 300.0  # `ddpkit train`'s default: the watchdog is on
     with init_runtime("auto", store=store, stall_timeout_s=stall_timeout_s) as runtime:
