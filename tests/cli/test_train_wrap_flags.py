@@ -32,6 +32,8 @@ NUM_CUDA = torch.cuda.device_count() if torch.cuda.is_available() else 0
             "--checkpoint-every 10 must be a multiple of --sync-every 4",
         ),
         (["--sync-every", "2", "--grad-compression", "fp16"], "local SGD sends no gradients"),
+        (["--sync-every", "2", "--join"], "--sync-every 2 with --join: Join cannot stand in"),
+        (["--sync-every", "2", "--static-graph"], "--sync-every 2 with --static-graph: DDP fails"),
         (["--strategy", "single", "--nproc", "2"], "--strategy single runs in one process"),
         (["--strategy", "ddp", "--nproc", "1"], "--strategy ddp needs --nproc 2 or more"),
         (

@@ -13,6 +13,7 @@ from ddpkit.guards.nonfinite import ReplicaDivergenceError, check_replicas
 from ddpkit.parallel.comm import CommStats
 from ddpkit.parallel.local_sgd import enable_local_sgd
 from ddpkit.testing import run_distributed
+from ddpkit.training.uneven import join_uneven_inputs
 
 SYNC_EVERY = 3
 NUM_STEPS = 7
@@ -29,9 +30,9 @@ def _batch(rank: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.randn(6, 5, generator=gen) + rank, torch.randn(6, 2, generator=gen)
 
 
-def _local_sgd_rank(runtime) -> dict:
+def _local_sgd_rank(runtime, ddp_options: dict | None = None) -> dict:
     stats = CommStats()
-    model = ddpkit.wrap_model(_net(), runtime, "ddp")
+    model = ddpkit.wrap_model(_net(), runtime, "ddp", **(ddp_options or {}))
     optimizer = enable_local_sgd(
         model, torch.optim.SGD(model.parameters(), lr=LR), runtime, SYNC_EVERY, stats
     )
@@ -85,9 +86,17 @@ def _reference(world_size: int) -> list[nn.Module]:
     return replicas
 
 
-@pytest.mark.parametrize("world_size", [2, 3])
-def test_local_sgd_replicas_agree_right_after_averaging(world_size):
-    results = run_distributed(_local_sgd_rank, world_size, timeout_s=120)
+@pytest.mark.parametrize(
+    "world_size,ddp_options",
+    [
+        (2, None),
+        (3, None),
+        # DDP's unused-parameter search changes its backward: still no gradient leaves a rank
+        (2, {"find_unused_parameters": True}),
+    ],
+)
+def test_local_sgd_replicas_agree_right_after_averaging(world_size, ddp_options):
+    results = run_distributed(_local_sgd_rank, world_size, args=(ddp_options,), timeout_s=120)
     numel = sum(p.numel() for p in _net().parameters())
     averaged = [s % SYNC_EVERY == 0 for s in range(1, NUM_STEPS + 1)]
     replicas = _reference(world_size)
@@ -103,6 +112,31 @@ def test_local_sgd_replicas_agree_right_after_averaging(world_size):
             torch.testing.assert_close(mine, ref.detach(), rtol=0, atol=1e-6)
     six_steps_local = sum(results[0]["bytes"][:6])
     assert results[0]["ddp_bytes"] * 6 / NUM_STEPS / six_steps_local == SYNC_EVERY
+
+
+def _local_sgd_refusals(runtime) -> list[str]:
+    messages = []
+    hooked = ddpkit.wrap_model(_net(), runtime, "ddp", grad_compression="fp16")
+    with pytest.raises(ddpkit.ConfigError) as info:
+        enable_local_sgd(hooked, torch.optim.SGD(hooked.parameters(), lr=LR), runtime, 2)
+    messages.append(str(info.value))
+    static = ddpkit.wrap_model(_net(), runtime, "ddp", static_graph=True)
+    with pytest.raises(ddpkit.ConfigError) as info:
+        enable_local_sgd(static, torch.optim.SGD(static.parameters(), lr=LR), runtime, 2)
+    messages.append(str(info.value))
+    model = ddpkit.wrap_model(_net(), runtime, "ddp")
+    enable_local_sgd(model, torch.optim.SGD(model.parameters(), lr=LR), runtime, 2)
+    with pytest.raises(ddpkit.ConfigError) as info:
+        join_uneven_inputs(model, runtime)
+    messages.append(str(info.value))
+    return messages
+
+
+def test_a_comm_hook_static_graph_or_join_with_local_sgd_is_refused():
+    hook, static, join = run_distributed(_local_sgd_refusals, 2)[0]
+    assert "local SGD on a DDP model with a comm hook" in hook
+    assert "with static_graph=True" in static and "drop --static-graph" in static
+    assert "join_uneven_inputs with local SGD" in join and "verify_even_batches" in join
 
 
 def test_sync_every_below_two_is_refused():

@@ -103,6 +103,17 @@ def wrap_problems(args: argparse.Namespace) -> list[str]:
                 f"--sync-every {args.sync_every} with --grad-compression "
                 f"{args.grad_compression}: local SGD sends no gradients to compress; pick one"
             )
+        if args.static_graph:
+            problems.append(
+                f"--sync-every {args.sync_every} with --static-graph: DDP fails in static-graph "
+                "mode with gradient sync off, and the static graph only speeds up the sync "
+                "local SGD skips; drop --static-graph"
+            )
+        if args.join:
+            problems.append(
+                f"--sync-every {args.sync_every} with --join: Join cannot stand in for a "
+                "finished rank in local SGD's parameter averaging; pick one"
+            )
         for name in ("check_replicas_every", "checkpoint_every"):
             value = getattr(args, name)
             if value % args.sync_every:

@@ -1,20 +1,25 @@
 """Local SGD: each rank steps on its own gradients; parameters are averaged every H steps.
 
 This is the correct form of "skip the all-reduce to go faster". Built from torch's pieces:
-``post_localSGD_hook`` (``PostLocalSGDState`` with ``start_localSGD_iter=0`` and
-``post_local_gradient_allreduce=False``: from the first step DDP leaves each rank's gradients
-local) and ``PostLocalSGDOptimizer``, which runs a model averager after every optimizer step.
-The averager is a ``ModelAverager`` subclass (torch's extension point) that averages with
-torch's ``average_parameters`` when the optimizer step count is a multiple of H, and counts the
-bytes. Replicas may differ between averaging steps and are identical right after each one;
-gradient traffic disappears and parameter traffic happens once per H steps.
+DDP's own switch for gradient sync (the ``require_backward_grad_sync`` flag that
+``DistributedDataParallel.no_sync()`` turns off) is turned off for good, so backward leaves each
+rank's gradients local and DDP's reducer does no work at all; ``PostLocalSGDOptimizer`` runs a
+model averager after every optimizer step. The averager is a ``ModelAverager`` subclass (torch's
+extension point) that averages with torch's ``average_parameters`` when the optimizer step count
+is a multiple of H, and counts the bytes. Replicas may differ between averaging steps and are
+identical right after each one; gradient traffic disappears and parameter traffic happens once
+per H steps.
 
-Why not torch's defaults: with ``post_local_gradient_allreduce=True`` the hook would all-reduce
-gradients inside an intra-node subgroup, which on one node is every rank (no saving), and whose
-default creation (``dist.new_subgroups()``) sizes groups by the CUDA device count, so on CPU it
-needs an explicit subgroup. ``PeriodicModelAverager`` counts steps from 0 and averages after
-steps 1, H + 1, ...; ddpkit's averager averages after steps H, 2H, ..., so a replica check every
-N steps (N a multiple of H) always runs right after an averaging step.
+Why not torch's ``post_localSGD_hook``: it gives the same gradients (the hook hands each bucket
+back unchanged when ``post_local_gradient_allreduce=False``), but DDP still copies every gradient
+into its buckets, calls the Python hook per bucket and copies the buckets back, at every step;
+measured on 2 CPU cores (``ddpkit bench overhead --sync-every 4``) that cost about 6% of the
+no-sync ceiling. With ``post_local_gradient_allreduce=True`` (torch's default) the hook would
+all-reduce gradients inside an intra-node subgroup, which on one node is every rank (no saving).
+Also off with the flag: DDP's buffer broadcast before forward, so buffers (BatchNorm statistics)
+stay per rank. ``PeriodicModelAverager`` counts steps from 0 and averages after steps 1, H + 1,
+...; ddpkit's averager averages after steps H, 2H, ..., so a replica check every N steps (N a
+multiple of H) always runs right after an averaging step.
 """
 
 from __future__ import annotations
@@ -22,28 +27,16 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 import torch
-from torch.distributed.algorithms.ddp_comm_hooks import post_localSGD_hook
 from torch.distributed.algorithms.model_averaging import averagers
 from torch.distributed.algorithms.model_averaging import utils as averaging_utils
 from torch.nn.parallel import DistributedDataParallel
 
 from ddpkit.distributed.process_group import Runtime
 from ddpkit.errors import ConfigError
-from ddpkit.parallel.comm import CommStats, HookState
+from ddpkit.parallel.comm import CommStats
 
 if TYPE_CHECKING:
     from torch.distributed.optim import PostLocalSGDOptimizer
-
-
-def _counting_local_sgd_hook(state, bucket):
-    """torch's ``post_localSGD_hook``; counts the bucket only while it still all-reduces."""
-    inner: post_localSGD_hook.PostLocalSGDState = state.inner
-    buffer = bucket.buffer()
-    global_allreduce = inner.iter < inner.start_localSGD_iter
-    state.stats.add_bucket(
-        bucket, buffer.numel() * buffer.element_size() if global_allreduce else 0
-    )
-    return post_localSGD_hook.post_localSGD_hook(inner, bucket)
 
 
 class PeriodicAverager(averagers.ModelAverager):
@@ -95,15 +88,17 @@ def enable_local_sgd(
 ) -> PostLocalSGDOptimizer:
     """Turn a DDP model and its optimizer into local SGD with averaging every ``sync_every`` steps.
 
-    Registers the post-local-SGD comm hook on ``model`` (so it must not have one) and wraps the
-    optimizer; use the returned optimizer for ``step``/``zero_grad``/checkpoints (its state dict
-    also holds the averager's step). Averaging happens inside ``step()``.
+    Turns off ``model``'s gradient sync for good (what ``model.no_sync()`` does for one
+    block; ``no_sync()`` blocks inside still work) and wraps the optimizer; use the returned
+    optimizer for ``step``/``zero_grad``/checkpoints (its state dict also holds the averager's
+    step). Averaging happens inside ``step()``.
 
     Collective: ``step()`` of the returned optimizer is one on averaging steps; call it on every
     rank at every step. Build an LR scheduler on the inner ``optimizer``.
 
     Args:
-        model: a ``DistributedDataParallel`` model without a comm hook.
+        model: a ``DistributedDataParallel`` model without a comm hook (gradients are no longer
+            all-reduced, so a hook would never run).
         optimizer: the local optimizer over ``model``'s parameters.
         runtime: the job's runtime (its training process group averages).
         sync_every: H >= 2, optimizer steps between parameter averaging rounds.
@@ -114,7 +109,8 @@ def enable_local_sgd(
         :class:`PeriodicAverager`.
 
     Raises:
-        ConfigError: ``sync_every`` < 2 (1 is plain DDP), or ``model`` is not DDP.
+        ConfigError: ``sync_every`` < 2 (1 is plain DDP), ``model`` is not DDP, or it has a
+            comm hook or ``static_graph=True``.
 
     Example:
         >>> opt = enable_local_sgd(ddp_model, torch.optim.SGD(ddp_model.parameters(), 0.1),
@@ -130,16 +126,20 @@ def enable_local_sgd(
             f"local SGD needs a DistributedDataParallel model: got {type(model).__name__}. "
             "Wrap it with ddpkit.wrap_model(model, runtime, 'ddp') first."
         )
+    if getattr(model, "static_graph", False):
+        raise ConfigError(
+            "local SGD on a DDP model with static_graph=True: torch 2.13's DDP fails in backward "
+            "with gradient sync off in static-graph mode (as with no_sync, pytorch/pytorch"
+            "#143580), and static_graph only speeds up the gradient sync local SGD skips. Wrap "
+            "the model without static_graph (drop --static-graph)."
+        )
+    if getattr(model, "_comm_hooks", None):  # DDP keeps its registered hooks there
+        raise ConfigError(
+            "local SGD on a DDP model with a comm hook: local SGD sends no gradients, so the "
+            "hook (gradient compression?) would never run. Wrap the model without one."
+        )
     stats = stats if stats is not None else CommStats()
-    inner = post_localSGD_hook.PostLocalSGDState(
-        process_group=runtime.process_group,
-        subgroup=None,  # unused: post_local_gradient_allreduce=False
-        start_localSGD_iter=0,
-        post_local_gradient_allreduce=False,
-    )
-    model.register_comm_hook(
-        HookState(runtime.process_group, stats, inner), _counting_local_sgd_hook
-    )
+    model.require_backward_grad_sync = False  # the flag no_sync() clears; DDP reads it in forward
     averager = PeriodicAverager(sync_every, runtime.process_group, stats)
     # imported here: torch.distributed.optim scripts its functional optimizers on import
     # (about 4 s of CPU), which every other ddpkit user would pay

@@ -80,7 +80,9 @@ def join_uneven_inputs(
         enable: ``False`` gives a context that does nothing (to switch it by a flag).
 
     Raises:
-        ConfigError: world size above 1 and ``model`` is not ``DistributedDataParallel``.
+        ConfigError: world size above 1 and ``model`` is not ``DistributedDataParallel``, or
+            its gradient sync is off for local SGD (Join does not shadow the averaging
+            all-reduce, so a rank that ran out of data would leave the others waiting).
 
     Example:
         >>> with join_uneven_inputs(ddp_model, rt):          # doctest: +SKIP
@@ -93,5 +95,11 @@ def join_uneven_inputs(
         raise ConfigError(
             f"join_uneven_inputs needs the DDP-wrapped model: got {type(model).__name__}. "
             "Pass the model returned by ddpkit.wrap_model(..., strategy='ddp')."
+        )
+    if not model.require_backward_grad_sync:  # enable_local_sgd turned it off (or no_sync())
+        raise ConfigError(
+            "join_uneven_inputs with local SGD (or inside model.no_sync()): Join cannot stand "
+            "in for a finished rank in the parameter averaging, so the others would wait. Give "
+            "every rank the same number of batches (ddpkit.training.uneven.verify_even_batches)."
         )
     return Join([model])
