@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The test command: set up .venv if needed, then run the whole suite (unit, distributed on gloo
-# with 2-3 real processes, CLI, end to end, two network namespaces). About 10 minutes on 2 cores.
+# with 2-3 real processes, CLI, end to end, two network namespaces). About 11 minutes on 2 cores.
 #   bash scripts/test.sh                 # everything
 #   bash scripts/test.sh tests/unit -x   # extra arguments go to pytest
 set -uo pipefail

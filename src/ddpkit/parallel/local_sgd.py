@@ -12,10 +12,11 @@ per H steps.
 
 Why not torch's ``post_localSGD_hook``: it gives the same gradients (the hook hands each bucket
 back unchanged when ``post_local_gradient_allreduce=False``), but DDP still copies every gradient
-into its buckets, calls the Python hook per bucket and copies the buckets back, at every step;
-measured on 2 CPU cores (``ddpkit bench overhead --sync-every 4``) that cost about 6% of the
-no-sync ceiling. With ``post_local_gradient_allreduce=True`` (torch's default) the hook would
-all-reduce gradients inside an intra-node subgroup, which on one node is every rank (no saving).
+into its buckets, calls the Python hook per bucket and copies the buckets back, at every step.
+On 2 CPU cores (MNIST CNN, H = 4, 7 interleaved rounds) the hook reached 0.911x the no-sync
+ceiling and the flag 0.962x (docs/performance.md, section 3). With
+``post_local_gradient_allreduce=True`` (torch's default) the hook would all-reduce gradients
+inside an intra-node subgroup, which on one node is every rank (no saving).
 Also off with the flag: DDP's buffer broadcast before forward, so buffers (BatchNorm statistics)
 stay per rank. ``PeriodicModelAverager`` counts steps from 0 and averages after steps 1, H + 1,
 ...; ddpkit's averager averages after steps H, 2H, ..., so a replica check every N steps (N a
