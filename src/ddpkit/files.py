@@ -4,6 +4,7 @@ can be written, made before any work starts."""
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 from pathlib import Path
 
@@ -24,6 +25,22 @@ def write_text_atomic(path: Path, text: str) -> None:
         with contextlib.suppress(OSError):
             tmp.unlink(missing_ok=True)
         raise
+
+
+def json_text(payload: dict | list) -> str:
+    """``payload`` as ddpkit writes JSON files: indented, a final newline, NaN/Inf refused
+    (``ValueError``), so every reader gets standard JSON."""
+    return json.dumps(payload, indent=2, allow_nan=False) + "\n"
+
+
+def write_json_atomic(path: Path, payload: dict | list) -> None:
+    """:func:`json_text` of ``payload`` written by :func:`write_text_atomic`.
+
+    Raises:
+        OSError: the file cannot be written (nothing is left behind).
+        ValueError: ``payload`` holds NaN or Inf.
+    """
+    write_text_atomic(path, json_text(payload))
 
 
 def unwritable_ancestor(folder: Path) -> tuple[Path, str] | None:

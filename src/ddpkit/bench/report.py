@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import csv
 import io
-import json
 import os
 import platform
 import statistics
@@ -13,7 +12,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from ddpkit.errors import ConfigError
-from ddpkit.files import unwritable_ancestor, write_text_atomic
+from ddpkit.files import json_text, unwritable_ancestor, write_text_atomic
 
 
 def median(values: Sequence[float]) -> float:
@@ -131,4 +130,4 @@ def write_json(path: Path, payload: dict | list) -> None:
     Raises:
         ConfigError: the file cannot be written (nothing is left behind).
     """
-    _write_atomic(Path(path), json.dumps(payload, indent=2, allow_nan=False) + "\n")
+    _write_atomic(Path(path), json_text(payload))

@@ -26,7 +26,8 @@ from ddpkit.distributed.sampler import build_eval_loader, build_train_loader
 from ddpkit.errors import ConfigError
 from ddpkit.examples.mnist_data import DataSource
 from ddpkit.examples.monitor import TrainingMonitor
-from ddpkit.examples.outputs import finite_or_none, reset_outputs, write_json_atomic
+from ddpkit.examples.outputs import finite_or_none, reset_outputs
+from ddpkit.files import write_json_atomic
 from ddpkit.guards.nonfinite import NonFiniteError, NonFiniteGuard, check_replicas
 from ddpkit.log import get_logger
 from ddpkit.parallel.comm import CommStats

@@ -23,10 +23,6 @@ def finite_or_none(value: float) -> float | None:
     return value if math.isfinite(value) else None  # JSON has no NaN/Inf
 
 
-def write_json_atomic(path: Path, payload: dict) -> None:
-    write_text_atomic(path, json.dumps(payload, indent=2, allow_nan=False) + "\n")
-
-
 RECORD_FILES = {"metrics": "epoch", "steps": "step"}  # file stem -> the record's counter key
 
 
