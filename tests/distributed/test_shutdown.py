@@ -50,7 +50,11 @@ def _train_then_close(store) -> tuple[int, int, list]:
 
 
 def test_gloo_threads_end_with_the_runtime():
-    for during, after, captured in run_distributed(_train_then_close, 2, init=False):
+    # spawn, not the forkserver: the import order under test is a virgin interpreter's (the
+    # forkserver has already imported torch.distributed.nn.functional through ddpkit).
+    for during, after, captured in run_distributed(
+        _train_then_close, 2, init=False, start_method="spawn"
+    ):
         assert during >= 2  # the groups really ran gloo threads
         assert captured == []  # torch's module kept no reference to the default group
         assert after == 0
