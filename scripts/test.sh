@@ -1,13 +1,21 @@
 #!/usr/bin/env bash
 # The test command: set up .venv if needed, then run the whole suite (unit, distributed on gloo
-# with 2-3 real processes, CLI, end to end, two network namespaces). About 11 minutes on 2 cores.
-#   bash scripts/test.sh                 # everything
-#   bash scripts/test.sh tests/unit -x   # extra arguments go to pytest
+# with 2-3 real processes, CLI, end to end, two network namespaces), two pytest workers (one
+# test file per worker at a time: a file's tests share its namespaces, files and timing).
+#   bash scripts/test.sh                   # everything
+#   bash scripts/test.sh -m "not slow"     # the inner loop while changing code
+#   bash scripts/test.sh tests/unit -x     # extra arguments go to pytest
+#   DDPKIT_TEST_WORKERS=0 bash scripts/test.sh   # one process, no xdist
 set -uo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh || exit 1
 export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
-.venv/bin/python -m pytest -q "$@"
+workers="${DDPKIT_TEST_WORKERS:-2}"
+xdist=()
+if [ "$workers" != "0" ]; then
+  xdist=(-n "$workers" --dist loadfile)
+fi
+.venv/bin/python -m pytest -q "${xdist[@]}" "$@"
 status=$?
 if [ "$status" -eq 5 ]; then
   echo "pytest collected no tests: that is a failure here" >&2

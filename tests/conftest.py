@@ -70,3 +70,17 @@ def mnist_dir() -> Path:
             pytest.fail(f"shared MNIST files not found in {SHARED_MNIST}")
         pytest.skip(f"shared MNIST files not found in {SHARED_MNIST}")
     return SHARED_MNIST
+
+
+# Tiers: every test gets the marker of its folder; `slow` is set by hand on the long ones.
+# The inner loop while changing code: pytest -m "not slow" (see README).
+_FOLDER_MARKERS = {"distributed": "distributed", "e2e": "e2e", "multinode": "multinode"}
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        folder = Path(str(item.fspath)).parent.name
+        if folder in _FOLDER_MARKERS:
+            item.add_marker(getattr(pytest.mark, _FOLDER_MARKERS[folder]))
+        if folder in ("e2e", "multinode"):
+            item.add_marker(pytest.mark.slow)

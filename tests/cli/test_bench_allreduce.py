@@ -24,6 +24,7 @@ def _csv_rows(path) -> list[dict]:
         ]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "nproc,max_bytes,extra,expected_repeats",
     [
@@ -110,6 +111,7 @@ def test_nccl_without_gpus_is_refused(capsys):
     assert "backend=nccl needs one CUDA device per local rank" in err and "found 0 device" in err
 
 
+@pytest.mark.slow
 def test_a_failing_worker_stops_every_rank_with_one_line():
     plan = {"sizes": [4096], "dtype": "float64", "warmup": 0, "iters": 1, "budget_s": 1.0}
     plan["backend"] = "gloo"  # float64 is not in DTYPES: every rank raises KeyError
@@ -121,10 +123,12 @@ def test_a_failing_worker_stops_every_rank_with_one_line():
     assert "raised: KeyError: 'float64'" in message
 
 
+@pytest.mark.slow
 def test_ranks_past_the_timeout_are_stopped_with_one_line_exit_1(tmp_path, capsys):
     out = tmp_path / "ar.json"
-    argv = ["bench", "allreduce", "-e", "8K", "--timeout", "0.5", "--json", str(out)]
-    code, err = run_main(argv, capsys)  # spawning two ranks that import torch takes longer
+    # the sweep 8 KiB .. 64 MiB takes seconds on two CPU ranks, far past the 0.5 s limit
+    argv = ["bench", "allreduce", "-b", "8K", "-e", "64M", "--timeout", "0.5", "--json", str(out)]
+    code, err = run_main(argv, capsys)
     assert code == 1, err
     assert len(err.strip().splitlines()) == 1, err
     assert "all-reduce benchmark failed, every rank stopped: timed out after 0.5 s" in err

@@ -17,6 +17,9 @@ from ddpkit.bench import options, overhead, steploop
 from ddpkit.errors import DistributedError
 from tests.helpers import run_cli, run_main
 
+pytestmark = pytest.mark.slow  # each test runs whole benchmark rounds
+
+
 FORMS = ("raw_ddp", "ddpkit", "accelerate", "fabric", "no_sync")
 SMALL = ["--rounds", "1", "--steps", "4", "--warmup", "1", "--sync-every", "5"]
 

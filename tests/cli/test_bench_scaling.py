@@ -10,6 +10,7 @@ from ddpkit.bench import scaling
 from tests.helpers import run_cli, run_main
 
 
+@pytest.mark.slow
 def test_one_and_two_processes_give_rows_with_weak_scaling_efficiency(tmp_path):
     table = tmp_path / "scaling.csv"
     args = ["-m", "ddpkit", "bench", "scaling", "--max-nproc", "2", "--rounds", "1"]

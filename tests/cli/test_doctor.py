@@ -5,11 +5,13 @@ from __future__ import annotations
 import json
 import socket
 
+import pytest
 import torch
 
 from tests.helpers import run_cli
 
 
+@pytest.mark.slow
 def test_doctor_reports_and_names_failed_checks():
     with socket.socket() as listener:  # a loopback port that is in use and reachable
         listener.bind(("127.0.0.1", 0))

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import textwrap
 
+import pytest
+
 from tests.helpers import run_cli
 
 DDP_BEFORE_INIT = """
@@ -13,6 +15,7 @@ model = DistributedDataParallel(torch.nn.Linear(2, 2))   # forgot to initialise
 """
 
 
+@pytest.mark.slow
 def test_launcher_summary_carries_the_hint(tmp_path):
     script = tmp_path / "no_init.py"
     script.write_text(textwrap.dedent(DDP_BEFORE_INIT))
@@ -22,6 +25,7 @@ def test_launcher_summary_carries_the_hint(tmp_path):
     assert "ddpkit hint: torch.distributed was used before" in result.output  # under the traceback
 
 
+@pytest.mark.slow
 def test_nan_loss_points_at_the_guard(tmp_path):
     result = run_cli(
         ["-m", "ddpkit", "train", "--dataset", "digits", "--nproc", "2", "--optimizer", "sgd",

@@ -20,6 +20,7 @@ def _probe_lines(output: str) -> set[str]:
     return {line for line in output.splitlines() if line.startswith("PROBE")}
 
 
+@pytest.mark.slow
 def test_run_starts_two_ranks_and_logs_once(tmp_path):
     result = run_cli(["-m", "ddpkit", "run", "-n", "2", PROBE, "--warn-rank", "1"])
     assert result.returncode == 0, result.output
@@ -34,6 +35,7 @@ def test_run_starts_two_ranks_and_logs_once(tmp_path):
     assert "[rank 0/2] WARNING" not in result.stderr
 
 
+@pytest.mark.slow
 def test_failure_stops_every_rank_fast_and_names_the_first(tmp_path):
     start = time.monotonic()
     result = run_cli(
@@ -54,6 +56,7 @@ def test_failure_stops_every_rank_fast_and_names_the_first(tmp_path):
     assert not [pid for pid in pids if pid_alive(pid)]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "flags,expected",
     [
@@ -120,6 +123,7 @@ def test_workers_die_with_a_killed_launcher(tmp_path):
             pass
 
 
+@pytest.mark.slow
 def test_example_runs_under_ddpkit_run_and_plain_torchrun():
     for launcher in (
         ["-m", "ddpkit", "run", "-n", "2", EXAMPLE, "--epochs", "1"],

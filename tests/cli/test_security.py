@@ -61,6 +61,7 @@ def _intruder_env(store: dict, token: str | None) -> dict[str, str]:
     return env
 
 
+@pytest.mark.slow
 def test_job_listens_on_loopback_only_and_refuses_a_wrong_token(tmp_path):
     script = tmp_path / "job.py"
     script.write_text(textwrap.dedent(JOB))

@@ -76,6 +76,7 @@ def test_help_lists_the_flags_with_units(capsys):
         assert snippet in text, snippet
 
 
+@pytest.mark.slow
 def test_local_sgd_job_reports_averaging_bytes_per_step(tmp_path):
     """8 steps with averaging every 4: two rounds of all parameters, no gradient bytes."""
     pytest.importorskip("sklearn")

@@ -35,6 +35,7 @@ def test_first_failure_kills_all_ranks_with_the_traceback():
     assert "_rank_one_raises" in message  # the traceback names the failing function
 
 
+@pytest.mark.slow
 def test_harness_timeout_names_the_ranks_still_running():
     with pytest.raises(
         DistributedTestError, match=r"timed out after 12 s; ranks still running: \[1\]"

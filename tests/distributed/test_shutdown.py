@@ -11,6 +11,7 @@ from __future__ import annotations
 import gc
 import glob
 
+import pytest
 import torch
 from torch import nn
 
@@ -49,6 +50,7 @@ def _train_then_close(store) -> tuple[int, int, list]:
     return during, after, [repr(c) for c in captured]
 
 
+@pytest.mark.slow
 def test_gloo_threads_end_with_the_runtime():
     # spawn, not the forkserver: the import order under test is a virgin interpreter's (the
     # forkserver has already imported torch.distributed.nn.functional through ddpkit).

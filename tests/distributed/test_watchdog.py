@@ -84,6 +84,7 @@ with ddpkit.init_runtime("gloo", train_timeout_s=600, stall_timeout_s=2) as rt:
 """
 
 
+@pytest.mark.slow
 def test_nested_watch_keeps_the_outer_block_watched(tmp_path):
     script = tmp_path / "nested.py"
     script.write_text(textwrap.dedent(NESTED_SCRIPT))
@@ -94,6 +95,7 @@ def test_nested_watch_keeps_the_outer_block_watched(tmp_path):
     assert "in spin_forever" in result.output.split("stack of rank 1's training thread:")[1]
 
 
+@pytest.mark.slow
 def test_stuck_rank_is_named_with_its_stack(tmp_path):
     script = tmp_path / "stuck.py"
     script.write_text(textwrap.dedent(STUCK_SCRIPT))

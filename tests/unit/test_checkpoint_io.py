@@ -81,6 +81,7 @@ def test_world_size_change_is_refused_naming_both(tmp_path):
         ddpkit.CheckpointManager(tmp_path, two).resume(model=model)
 
 
+@pytest.mark.slow
 def test_killing_the_writer_never_leaves_an_unloadable_newest(tmp_path):
     rng = random.Random(0)
     for trial in range(5):  # bench/fault_trials.py runs 20

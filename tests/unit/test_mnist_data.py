@@ -115,6 +115,7 @@ def _download_in_child(cache: str, mirror: str) -> None:
     download_mnist(Path(cache))
 
 
+@pytest.mark.slow
 def test_download_verifies_caches_and_runs_once_across_processes(mnist_dir, tmp_path, monkeypatch):
     cache = tmp_path / "cache"
     with _Mirror(mnist_dir) as mirror:

@@ -196,8 +196,18 @@ def run_distributed(
     procs = [
         ctx.Process(
             target=_worker,
-            args=(fn, args, rank, world_size, workdir, pg_timeout_s, init, env or {}, backend,
-                  *state),
+            args=(
+                fn,
+                args,
+                rank,
+                world_size,
+                workdir,
+                pg_timeout_s,
+                init,
+                env or {},
+                backend,
+                *state,
+            ),
             name=f"rank{rank}",
         )  # fmt: skip
         for rank in range(world_size)
