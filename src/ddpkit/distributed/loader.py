@@ -7,7 +7,7 @@ shuffle stays shared while augmentation randomness differs per rank and worker.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator, Sized
+from collections.abc import Iterator
 from typing import Any
 
 from torch.utils.data import DataLoader, DistributedSampler
@@ -17,7 +17,7 @@ from ddpkit.distributed.seeding import (
     main_process_data_rng,
     worker_base_seed,
 )
-from ddpkit.distributed.streams import ShardedStream, stream_batches_per_rank
+from ddpkit.distributed.streams import ShardedStream, stream_batches_per_rank, stream_length
 from ddpkit.errors import ConfigError
 from ddpkit.log import get_logger
 
@@ -87,13 +87,16 @@ class ShardedLoader:
         batch_size = self.loader.batch_size or 1
         if self.sampler is not None:
             samples = self.sampler.num_samples
-            return samples // batch_size if self.loader.drop_last else math.ceil(samples / batch_size)
+            if self.loader.drop_last:
+                return samples // batch_size
+            return math.ceil(samples / batch_size)
         assert self.stream is not None
-        if not isinstance(self.stream.source, Sized):
+        length = stream_length(self.stream.source)
+        if length is None:
             return None
         return stream_batches_per_rank(
-            len(self.stream.source), self.stream.world_size, self.loader.num_workers,
-            batch_size, self.loader.drop_last,
+            length, self.stream.world_size, self.loader.num_workers, batch_size,
+            self.loader.drop_last,
         )  # fmt: skip
 
     def __len__(self) -> int:

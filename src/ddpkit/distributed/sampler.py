@@ -18,7 +18,7 @@ from torch.utils.data import DataLoader, Dataset, DistributedSampler, IterableDa
 from ddpkit.distributed.collectives import all_gather_object
 from ddpkit.distributed.loader import ShardedLoader
 from ddpkit.distributed.process_group import Runtime
-from ddpkit.distributed.streams import ShardedStream
+from ddpkit.distributed.streams import ShardedStream, stream_length
 from ddpkit.errors import ConfigError
 
 __all__ = [
@@ -88,10 +88,7 @@ def _check_batch_size(batch_size: object) -> int:
 def _length(dataset: Dataset) -> int | None:
     """``len(dataset)``; ``None`` for a stream without one."""
     if isinstance(dataset, IterableDataset):
-        try:
-            return len(dataset)  # type: ignore[arg-type]
-        except TypeError:  # IterableDataset defines no __len__ unless the stream does
-            return None
+        return stream_length(dataset)
     if not isinstance(dataset, Sized):
         raise ConfigError(
             f"dataset without a length: {type(dataset).__name__} has no __len__. A map-style "
@@ -209,6 +206,12 @@ def _build_local(
         raise ConfigError("empty dataset: len(dataset)=0. Check the data path.")
     generator = torch.Generator()  # reseeded per pass; never the global RNG
     if isinstance(dataset, IterableDataset):
+        if loader_kwargs.get("persistent_workers"):
+            raise ConfigError(
+                "persistent_workers=True with a stream: persistent workers keep the stream "
+                "object of the first pass, so later epochs and resumed passes would not reach "
+                "them. Drop persistent_workers for an IterableDataset."
+            )
         stream = ShardedStream(dataset, runtime.rank, runtime.world_size, pad=True,
                                drop_last=drop_last, batch_size=batch_size)  # fmt: skip
         torch_loader = DataLoader(stream, batch_size=batch_size, drop_last=drop_last,
@@ -220,8 +223,10 @@ def _build_local(
             dataset, num_replicas=runtime.world_size, rank=runtime.rank, shuffle=shuffle,
             seed=seed, drop_last=drop_last,
         )  # fmt: skip
-        torch_loader = DataLoader(dataset, batch_size=batch_size, sampler=sampler,
-                                  drop_last=drop_last, generator=generator, **loader_kwargs)  # fmt: skip
+        torch_loader = DataLoader(
+            dataset, batch_size=batch_size, sampler=sampler, drop_last=drop_last,
+            generator=generator, **loader_kwargs,
+        )  # fmt: skip
     loader = ShardedLoader(torch_loader, sampler, seed=seed, rank=runtime.rank, stream=stream,
                            max_batches=max_batches)  # fmt: skip
     if loader.full_pass_batches() == 0:
@@ -287,6 +292,12 @@ def build_eval_loader(
             "Evaluation counts every sample exactly once; drop the argument."
         )
     if isinstance(dataset, IterableDataset):
+        if loader_kwargs.get("persistent_workers"):
+            raise ConfigError(
+                "persistent_workers=True with a stream: persistent workers keep the stream "
+                "object of the first pass, so later epochs and resumed passes would not reach "
+                "them. Drop persistent_workers for an IterableDataset."
+            )
         stream = ShardedStream(dataset, runtime.rank, runtime.world_size, pad=False,
                                drop_last=False, batch_size=batch_size)  # fmt: skip
         return DataLoader(stream, batch_size=batch_size, **loader_kwargs)

@@ -47,7 +47,7 @@ def worker_base_seed(seed: int, rank: int, epoch: int) -> int:
 
 
 def main_process_batch_seed(seed: int, rank: int, epoch: int, batch_index: int) -> int:
-    """The seed of batch ``batch_index`` (counted from the pass start) fetched in the main process."""
+    """The seed of batch ``batch_index`` (from the pass start) fetched in the main process."""
     return derive_seed("main", seed, rank, epoch, batch_index)
 
 

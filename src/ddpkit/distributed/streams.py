@@ -68,10 +68,13 @@ class ShardedStream(IterableDataset):
     def __iter__(self) -> Iterator[Any]:
         info = get_worker_info()
         worker, num_workers = (info.id, info.num_workers) if info is not None else (0, 1)
-        slot = self.rank * num_workers + worker
-        # batch j of this rank comes from worker j % num_workers (every worker has as many)
-        skipped = len(range(worker, self.skip_batches, num_workers)) * self.batch_size
-        items = self._slot_items(slot, self.world_size * num_workers)
+        # The DataLoader takes batch k of a pass from worker k % num_workers, so batch j of a
+        # whole pass comes from worker j % num_workers. A pass resumed after `skip` batches
+        # starts again at worker 0: worker w then plays the part of worker (w + skip) % n and
+        # skips the batches that part had handed out.
+        part = (worker + self.skip_batches) % num_workers
+        skipped = len(range(part, self.skip_batches, num_workers)) * self.batch_size
+        items = self._slot_items(self.rank * num_workers + part, self.world_size * num_workers)
         return itertools.islice(items, skipped, None)
 
     def _slot_items(self, slot: int, num_slots: int) -> Iterator[Any]:
@@ -103,6 +106,14 @@ class ShardedStream(IterableDataset):
             "the same number of batches) needs a stream whose __iter__ starts over; make it "
             "re-iterable or pass drop_last=True."
         )
+
+
+def stream_length(source: IterableDataset) -> int | None:
+    """``len(source)``, or ``None`` for a stream without a length (most streams)."""
+    try:
+        return len(source)  # type: ignore[arg-type]
+    except TypeError:  # no __len__, or one that refuses
+        return None
 
 
 def stream_batches_per_rank(
