@@ -15,7 +15,7 @@ from torch.utils.data import IterableDataset, TensorDataset
 import ddpkit
 from ddpkit.testing import DistributedTestError, run_distributed
 
-FORK = {"multiprocessing_context": "fork"}  # workers of forkserver-born ranks (test_data_randomness)
+FORK = {"multiprocessing_context": "fork"}  # forkserver-born ranks: see test_data_randomness
 
 
 def _messages(error: DistributedTestError) -> list[str]:
