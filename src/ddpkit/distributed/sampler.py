@@ -171,12 +171,9 @@ def build_train_loader(
         "num_workers": loader_kwargs.get("num_workers", 0),
         "batches": loader.full_pass_batches() if loader is not None else None,
     }
-    try:
-        table = _agree_across_ranks(settings, runtime, isinstance(dataset, IterableDataset))
-    except ConfigError:
-        if error is not None:
-            raise error  # this rank's own error, with its traceback
-        raise
+    table = _agree_across_ranks(settings, runtime, isinstance(dataset, IterableDataset))
+    if error is not None:
+        raise error  # this rank's own, once every rank knows it (none waits in the exchange)
     assert loader is not None
     loader.rank_batch_sizes = [row["batch_size"] for row in table]
     counts = [row["batches"] for row in table]
@@ -251,6 +248,8 @@ def _agree_across_ranks(
     if runtime.process_group is None:
         return [settings]
     table = all_gather_object(settings, runtime)
+    if settings["problem"] is not None:
+        return table  # the caller raises this rank's own error
     for rank, row in enumerate(table):
         if row["problem"] is not None:
             raise ConfigError(
