@@ -169,7 +169,7 @@ def build_train_loader(
         "drop_last": drop_last,
         "batch_size": batch_size,
         "num_workers": loader_kwargs.get("num_workers", 0),
-        "batches": loader.full_pass_batches() if loader is not None else None,
+        "batches": None if loader is None or loader.full_pass_batches() is None else len(loader),
     }
     table = _agree_across_ranks(settings, runtime, isinstance(dataset, IterableDataset))
     if error is not None:
