@@ -19,7 +19,13 @@ Launch with ``ddpkit run -n 2 train.py`` or ``torchrun --nproc-per-node 2 train.
 
 from ddpkit.checkpoint.manager import CheckpointManager
 from ddpkit.checkpoint.state import load_model_state
-from ddpkit.distributed.collectives import all_reduce, all_reduce_sum, barrier
+from ddpkit.distributed.collectives import (
+    all_gather,
+    all_gather_object,
+    all_reduce,
+    all_reduce_sum,
+    barrier,
+)
 from ddpkit.distributed.env import ProcessInfo, detect_process_info
 from ddpkit.distributed.process_group import Runtime, init_runtime, resolve_backend
 from ddpkit.distributed.sampler import (
@@ -60,6 +66,8 @@ __all__ = [
     "UnpaddedDistributedSampler",
     "UnusedParameterDiagnosis",
     "UnusedParameterError",
+    "all_gather",
+    "all_gather_object",
     "all_reduce",
     "all_reduce_sum",
     "barrier",

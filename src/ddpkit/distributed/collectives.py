@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -145,3 +146,91 @@ def barrier(runtime: Runtime) -> None:
     if runtime.process_group is not None:
         with runtime.watch("barrier"):
             dist.barrier(group=runtime.process_group)
+
+
+def all_gather_object(obj: Any, runtime: Runtime) -> list[Any]:
+    """Every rank's ``obj`` (any picklable object of any size), as a list by rank.
+
+    torch's ``all_gather_object`` on the job's process group (pickles, so meant for small,
+    occasional payloads: metric inputs, settings, names). With nccl, objects travel through the
+    current CUDA device, which :func:`~ddpkit.init_runtime` sets.
+
+    Collective: call on every rank. At world size 1 it returns ``[obj]``.
+
+    Returns:
+        ``[rank 0's obj, rank 1's obj, ...]``, the same on every rank (unpickled copies).
+
+    Example:
+        >>> names = ddpkit.all_gather_object(my_ids, rt)   # list of lists   # doctest: +SKIP
+    """
+    if runtime.process_group is None:
+        return [obj]
+    gathered: list[Any] = [None] * runtime.world_size
+    with runtime.watch("all_gather_object"):
+        dist.all_gather_object(gathered, obj, group=runtime.process_group)
+    return gathered
+
+
+def all_gather(tensor: torch.Tensor, runtime: Runtime) -> list[torch.Tensor]:
+    """Every rank's ``tensor``, as a list by rank; the first dimension may differ across ranks.
+
+    What metrics need from each rank's predictions (one batch count per rank): the sizes are
+    gathered first, each tensor padded to the largest, gathered with torch's ``all_gather``, and
+    trimmed back. ``torch.cat(ddpkit.all_gather(preds, rt))`` is every rank's rows, rank 0's
+    first (for :func:`~ddpkit.build_eval_loader`'s shards: rank-major, not dataset order).
+
+    Collective: call on every rank, with tensors of the same dtype and the same trailing
+    dimensions ``(n_r, *rest)`` (``n_r`` may be 0); two all-gathers. At world size 1 it returns
+    ``[a copy of tensor]``.
+
+    Args:
+        tensor: shape ``(n_r, *rest)``, or a scalar (0 dims) on every rank; at most 8 dims.
+        runtime: the job's :class:`~ddpkit.Runtime`.
+
+    Returns:
+        ``world_size`` tensors on ``tensor``'s device, row ``r`` of shape ``(n_r, *rest)``.
+
+    Raises:
+        DistributedError (on every rank): dtypes or trailing dimensions differ across ranks,
+            naming each rank's dtype and shape; or more than 8 dims.
+
+    Example:
+        >>> preds = torch.cat(ddpkit.all_gather(logits.argmax(1), rt))   # doctest: +SKIP
+    """
+    if runtime.process_group is None:
+        return [tensor.detach().clone()]
+    work = tensor.detach().to(runtime.device)
+    if work.dim() > _MAX_DIMS:
+        raise DistributedError(f"all_gather: the size exchange supports up to {_MAX_DIMS} dims.")
+    code = _DTYPES.index(work.dtype) if work.dtype in _DTYPES else len(_DTYPES)
+    row = [work.dim(), code, *work.shape] + [-1] * (_MAX_DIMS - work.dim())
+    local = torch.tensor(row, dtype=torch.int64, device=runtime.device)
+    rows = [torch.empty_like(local) for _ in range(runtime.world_size)]
+    with runtime.watch("all_gather sizes"):
+        dist.all_gather(rows, local, group=runtime.process_group)
+    table = [r.tolist() for r in rows]
+    if len({(r[0], r[1], *r[3:]) for r in table}) > 1:
+        listing = ", ".join(f"rank {r} {_describe(t)}" for r, t in enumerate(table))
+        raise DistributedError(
+            f"all_gather: tensors differ across ranks beyond the first dimension: {listing}. "
+            "Every rank must pass the same dtype and trailing dimensions (only dim 0 may "
+            "differ); convert or reshape before gathering."
+        )
+    scalar = work.dim() == 0
+    sizes = [1 if scalar else r[2] for r in table]
+    gathered = _gather_padded(work.reshape(1) if scalar else work, sizes, runtime, tensor.device)
+    return [g.reshape(()) for g in gathered] if scalar else gathered
+
+
+def _gather_padded(
+    work: torch.Tensor, sizes: list[int], runtime: Runtime, device: torch.device
+) -> list[torch.Tensor]:
+    longest = max(sizes)
+    if longest == 0:  # nothing to send: empty tensors of the right shape
+        return [work.new_empty((0, *work.shape[1:]), device=device) for _ in sizes]
+    padded = work.new_zeros((longest, *work.shape[1:]))
+    padded[: work.shape[0]] = work
+    gathered = [torch.empty_like(padded) for _ in sizes]
+    with runtime.watch("all_gather"):
+        dist.all_gather(gathered, padded, group=runtime.process_group)
+    return [g[:n].to(device) for g, n in zip(gathered, sizes)]

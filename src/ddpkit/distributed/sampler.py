@@ -3,20 +3,31 @@
 Training uses torch's ``DistributedSampler`` (same seed on every rank, disjoint shards, padded so
 every rank has the same number of batches and no rank waits on a collective that never comes).
 Evaluation uses :class:`UnpaddedDistributedSampler`, which gives each sample to exactly one rank,
-so global metrics count every sample once whatever the world size.
+so global metrics count every sample once whatever the world size. Streams (``IterableDataset``)
+are split by rank x worker the same two ways (:mod:`ddpkit.distributed.streams`).
 """
 
 from __future__ import annotations
 
-import math
 from collections.abc import Iterator, Sized
 from typing import Any
 
 import torch
-from torch.utils.data import DataLoader, Dataset, DistributedSampler, Sampler
+from torch.utils.data import DataLoader, Dataset, DistributedSampler, IterableDataset, Sampler
 
+from ddpkit.distributed.collectives import all_gather_object
+from ddpkit.distributed.loader import ShardedLoader
 from ddpkit.distributed.process_group import Runtime
+from ddpkit.distributed.streams import ShardedStream, stream_length
 from ddpkit.errors import ConfigError
+
+__all__ = [
+    "ResumableDistributedSampler",
+    "ShardedLoader",
+    "UnpaddedDistributedSampler",
+    "build_eval_loader",
+    "build_train_loader",
+]
 
 
 class UnpaddedDistributedSampler(Sampler[int]):
@@ -65,92 +76,6 @@ class ResumableDistributedSampler(DistributedSampler):
         return self.num_samples - self.start_index
 
 
-class ShardedLoader:
-    """A ``DataLoader`` over this rank's shard whose sampler epoch advances on every ``iter()``.
-
-    The n-th pass over the loader (counting from 0) uses epoch ``start_epoch + n``, so each epoch
-    has a new order and the ranks stay in step without a ``set_epoch`` call. Use
-    :meth:`set_epoch` to jump, and :meth:`state_dict`/:meth:`load_state_dict` to resume exactly
-    in the middle of an epoch (every remaining sample of that epoch seen once, none twice).
-
-    Attributes:
-        loader: the wrapped ``torch.utils.data.DataLoader``.
-        sampler: its :class:`ResumableDistributedSampler`.
-        epoch: the epoch the next pass will use.
-        max_batches: a pass ends after this many batches (``None``: the whole shard).
-    """
-
-    def __init__(
-        self,
-        loader: DataLoader,
-        sampler: ResumableDistributedSampler,
-        start_epoch: int = 0,
-        max_batches: int | None = None,
-    ):
-        self.loader = loader
-        self.sampler = sampler
-        self.epoch = start_epoch
-        self.max_batches = max_batches
-        self._skip_batches = 0
-        self._in_progress: list[int] | None = None  # [epoch, batches consumed] of the open pass
-        self._pass_generator_state: torch.Tensor | None = None
-
-    def set_epoch(self, epoch: int) -> None:
-        """Make the next pass use ``epoch``."""
-        self.epoch = epoch
-
-    def __len__(self) -> int:
-        """Batches in one full pass (the whole shard, capped by ``max_batches``)."""
-        batch_size = self.loader.batch_size or 1
-        samples = self.sampler.num_samples
-        full = samples // batch_size if self.loader.drop_last else math.ceil(samples / batch_size)
-        return min(full, self.max_batches) if self.max_batches else full
-
-    @property
-    def batches_done(self) -> int:
-        """Batches of the current pass consumed so far, counting those skipped by a resume."""
-        return self._in_progress[1] if self._in_progress is not None else 0
-
-    def state_dict(self) -> dict[str, Any]:
-        """``{"epoch", "batches_done", "generator"}``: where the next batch would come from.
-
-        A pass whose last batch was handed out counts as finished (the next epoch, 0 batches).
-        Mid-pass, the generator state is the one from before the pass began, so the resumed pass
-        draws the same worker seed again.
-        """
-        generator = self.loader.generator.get_state()
-        if self._in_progress is None:  # between passes (or loaded and not yet iterated)
-            return {"epoch": self.epoch, "batches_done": self._skip_batches, "generator": generator}
-        epoch, done = self._in_progress
-        if done >= len(self):
-            return {"epoch": epoch + 1, "batches_done": 0, "generator": generator}
-        return {"epoch": epoch, "batches_done": done, "generator": self._pass_generator_state}
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Make the next pass resume epoch ``state["epoch"]`` after ``batches_done`` batches."""
-        self.epoch = int(state["epoch"])
-        self._skip_batches = int(state["batches_done"])
-        self.loader.generator.set_state(state["generator"])
-
-    def __iter__(self) -> Iterator[Any]:
-        epoch, skip, per_pass = self.epoch, self._skip_batches, len(self)
-        self.sampler.set_epoch(epoch)
-        self.sampler.start_index = skip * (self.loader.batch_size or 1)
-        self.epoch, self._skip_batches = epoch + 1, 0
-        self._pass_generator_state = self.loader.generator.get_state()
-        self._in_progress = [epoch, skip]
-        try:
-            if skip >= per_pass:
-                return
-            for batch in self.loader:
-                self._in_progress[1] += 1
-                yield batch
-                if self._in_progress[1] >= per_pass:
-                    return
-        finally:  # exhausted, capped, or the caller broke out: the pass is over either way
-            self._in_progress = None
-
-
 def _check_batch_size(batch_size: object) -> int:
     if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
         raise ConfigError(
@@ -158,6 +83,19 @@ def _check_batch_size(batch_size: object) -> int:
             "(samples per rank per step)."
         )
     return batch_size
+
+
+def _length(dataset: Dataset) -> int | None:
+    """``len(dataset)``; ``None`` for a stream without one."""
+    if isinstance(dataset, IterableDataset):
+        return stream_length(dataset)
+    if not isinstance(dataset, Sized):
+        raise ConfigError(
+            f"dataset without a length: {type(dataset).__name__} has no __len__. A map-style "
+            "dataset needs __len__ (and __getitem__); a stream should subclass "
+            "torch.utils.data.IterableDataset, which ddpkit shards by rank and worker."
+        )
+    return len(dataset)
 
 
 def build_train_loader(
@@ -175,38 +113,162 @@ def build_train_loader(
     Every rank must pass the same ``seed``: the shuffle permutation is drawn from
     ``seed + epoch`` and then split, so the shards are disjoint and together cover the data
     (``DistributedSampler`` pads the last few indices so the shards have equal length).
+    Augmentation randomness (torch, numpy, ``random`` inside ``__getitem__``) differs per rank
+    and worker and repeats on a rerun: workers are seeded from ``(seed, rank, epoch)``; with
+    ``num_workers=0`` each batch is fetched under RNGs seeded from ``(seed, rank, epoch,
+    batch)`` and the global RNG states are restored after it (so loading never shifts the
+    training stream). A dataset that keeps its own generator should seed it from
+    ``torch.initial_seed()`` inside ``__getitem__``, which torch sets per worker.
+
+    A stream (``IterableDataset``) is split by rank x worker (every ``world_size *
+    num_workers``-th item; :mod:`ddpkit.distributed.streams`), its last row padded with its
+    first items (or dropped with ``drop_last``) so every rank gets the same number of batches.
+    It is read whole by every worker, must yield the same items in the same order in every
+    process (``shuffle`` does not apply; a ``set_epoch(epoch)`` method of the stream is called
+    before each pass) and must not shard itself.
+
+    Collective (world size > 1): call on every rank; one all-gather of the settings, which must
+    agree (dataset length, seed, shuffle, drop_last; num_workers for a stream).
 
     Args:
-        dataset: a map-style dataset with ``__len__``.
+        dataset: a map-style dataset with ``__len__``, or an ``IterableDataset``.
         runtime: the job's :class:`Runtime`.
         batch_size: samples per rank per step; the global batch is ``batch_size * world_size``.
+            Different sizes across ranks are warned about at the first pass (see
+            :class:`ShardedLoader`).
         shuffle: reshuffle every epoch.
-        seed: the shuffle seed, identical on every rank.
+        seed: the shuffle and augmentation seed, identical on every rank.
         drop_last: drop the tail so the shards are equal without padding.
         max_batches: end every pass after this many batches (``None``: the whole shard).
-        **loader_kwargs: passed to ``DataLoader`` (``num_workers``, ``pin_memory``, ...).
+        **loader_kwargs: passed to ``DataLoader`` (``num_workers``, ``pin_memory``, ...);
+            not ``generator``, which ddpkit seeds per rank and epoch.
 
     Raises:
-        ConfigError: ``batch_size`` is not a positive integer, or the dataset is empty.
+        ConfigError (on every rank): ``batch_size`` is not a positive integer; the dataset is
+            empty or has no ``__len__`` and is no stream; a pass would give a rank no batch
+            (naming the dataset length, world size, batch size and drop_last); a ``generator``
+            was passed; the settings differ across ranks (naming each rank's).
+
+    Example:
+        >>> loader = build_train_loader(train_set, rt, batch_size=64, seed=0,  # doctest: +SKIP
+        ...                             num_workers=2)
     """
+    loader, error = None, None
+    try:
+        loader = _build_local(dataset, runtime, batch_size, shuffle, seed, drop_last, max_batches,
+                              loader_kwargs)  # fmt: skip
+    except Exception as exc:  # noqa: BLE001 - every rank must reach the settings exchange
+        if runtime.process_group is None:
+            raise
+        error = exc
+    settings = {
+        "problem": None if error is None else f"{type(error).__name__}: {error}",
+        "len(dataset)": None if loader is None else _length(dataset),
+        "seed": seed,
+        "shuffle": shuffle,
+        "drop_last": drop_last,
+        "batch_size": batch_size,
+        "num_workers": loader_kwargs.get("num_workers", 0),
+        "batches": None if loader is None or loader.full_pass_batches() is None else len(loader),
+    }
+    table = _agree_across_ranks(settings, runtime, isinstance(dataset, IterableDataset))
+    if error is not None:
+        raise error  # this rank's own, once every rank knows it (none waits in the exchange)
+    assert loader is not None
+    loader.rank_batch_sizes = [row["batch_size"] for row in table]
+    counts = [row["batches"] for row in table]
+    loader.rank_num_batches = counts if None not in counts else None
+    return loader
+
+
+def _build_local(
+    dataset: Dataset,
+    runtime: Runtime,
+    batch_size: int,
+    shuffle: bool,
+    seed: int,
+    drop_last: bool,
+    max_batches: int | None,
+    loader_kwargs: dict[str, Any],
+) -> ShardedLoader:
     batch_size = _check_batch_size(batch_size)
-    if len(dataset) == 0:  # type: ignore[arg-type]
+    if "generator" in loader_kwargs:
+        raise ConfigError(
+            "build_train_loader: generator= is not accepted. ddpkit seeds the loader's "
+            "generator from (seed, rank, epoch) so workers draw different augmentation on every "
+            "rank; pass seed=... instead."
+        )
+    length = _length(dataset)
+    if length == 0:
         raise ConfigError("empty dataset: len(dataset)=0. Check the data path.")
-    sampler = ResumableDistributedSampler(
-        dataset,
-        num_replicas=runtime.world_size,
-        rank=runtime.rank,
-        shuffle=shuffle,
-        seed=seed,
-        drop_last=drop_last,
-    )
-    # The loader's own generator: creating an iterator draws a seed from it (for worker
-    # processes), which would otherwise consume the global RNG once per epoch.
-    loader_kwargs.setdefault("generator", torch.Generator().manual_seed(seed))
-    loader = DataLoader(
-        dataset, batch_size=batch_size, sampler=sampler, drop_last=drop_last, **loader_kwargs
-    )
-    return ShardedLoader(loader, sampler, max_batches=max_batches)
+    generator = torch.Generator()  # reseeded per pass; never the global RNG
+    if isinstance(dataset, IterableDataset):
+        if loader_kwargs.get("persistent_workers"):
+            raise ConfigError(
+                "persistent_workers=True with a stream: persistent workers keep the stream "
+                "object of the first pass, so later epochs and resumed passes would not reach "
+                "them. Drop persistent_workers for an IterableDataset."
+            )
+        stream = ShardedStream(dataset, runtime.rank, runtime.world_size, pad=True,
+                               drop_last=drop_last, batch_size=batch_size)  # fmt: skip
+        torch_loader = DataLoader(stream, batch_size=batch_size, drop_last=drop_last,
+                                  generator=generator, **loader_kwargs)  # fmt: skip
+        sampler = None
+    else:
+        stream = None
+        sampler = ResumableDistributedSampler(
+            dataset, num_replicas=runtime.world_size, rank=runtime.rank, shuffle=shuffle,
+            seed=seed, drop_last=drop_last,
+        )  # fmt: skip
+        torch_loader = DataLoader(
+            dataset, batch_size=batch_size, sampler=sampler, drop_last=drop_last,
+            generator=generator, **loader_kwargs,
+        )  # fmt: skip
+    loader = ShardedLoader(torch_loader, sampler, seed=seed, rank=runtime.rank, stream=stream,
+                           max_batches=max_batches)  # fmt: skip
+    if loader.full_pass_batches() == 0:
+        per_rank = f" ({sampler.num_samples} samples per rank)" if sampler is not None else ""
+        raise ConfigError(
+            f"empty pass: len(dataset)={length}, world_size={runtime.world_size}, "
+            f"batch_size={batch_size}, drop_last={drop_last}"
+            + (f", num_workers={torch_loader.num_workers}" if stream is not None else "")
+            + f" give each rank 0 batches{per_rank}. Every rank needs at least one batch per "
+            "pass; use a smaller batch_size, drop_last=False, or fewer processes."
+        )
+    return loader
+
+
+_MUST_AGREE = ("len(dataset)", "seed", "shuffle", "drop_last")
+
+
+def _agree_across_ranks(
+    settings: dict[str, Any], runtime: Runtime, stream: bool
+) -> list[dict[str, Any]]:
+    """Every rank's loader settings (one all-gather); raise on every rank when they disagree."""
+    if runtime.process_group is None:
+        return [settings]
+    table = all_gather_object(settings, runtime)
+    if settings["problem"] is not None:
+        return table  # the caller raises this rank's own error
+    for rank, row in enumerate(table):
+        if row["problem"] is not None:
+            raise ConfigError(
+                f"build_train_loader failed on rank {rank}/{runtime.world_size}: "
+                f"{row['problem']}"
+            )
+    keys = _MUST_AGREE + (("num_workers",) if stream else ())
+    differ = [key for key in keys if len({repr(row[key]) for row in table}) > 1]
+    if differ:
+        listing = "; ".join(
+            f"{key}: " + ", ".join(f"rank {r} {row[key]!r}" for r, row in enumerate(table))
+            for key in differ
+        )
+        raise ConfigError(
+            f"train loader settings differ across ranks: {listing}. Every rank must build the "
+            f"loader over the same data with the same {', '.join(keys)}, or the shards overlap "
+            "and miss samples. Pass the same values on every rank."
+        )
+    return table
 
 
 def build_eval_loader(
@@ -214,15 +276,32 @@ def build_eval_loader(
 ) -> DataLoader:
     """An evaluation loader over this rank's unpadded shard: each sample on exactly one rank.
 
+    Map-style datasets use :class:`UnpaddedDistributedSampler`; a stream (``IterableDataset``)
+    is split by rank x worker without padding. Shards may differ by a batch across ranks (even
+    be empty on some), which :func:`ddpkit.evaluate` handles (no collective per batch).
+
     Raises:
-        ConfigError: ``batch_size`` is not a positive integer.
+        ConfigError: ``batch_size`` is not a positive integer; the dataset is empty or has no
+            ``__len__`` and is no stream; ``drop_last=True`` (samples would be left out).
     """
     batch_size = _check_batch_size(batch_size)
-    sampler = UnpaddedDistributedSampler(_len(dataset), runtime.world_size, runtime.rank)
+    if loader_kwargs.get("drop_last"):
+        raise ConfigError(
+            "build_eval_loader: drop_last=True would leave samples out of the metrics. "
+            "Evaluation counts every sample exactly once; drop the argument."
+        )
+    if isinstance(dataset, IterableDataset):
+        if loader_kwargs.get("persistent_workers"):
+            raise ConfigError(
+                "persistent_workers=True with a stream: persistent workers keep the stream "
+                "object of the first pass, so later epochs and resumed passes would not reach "
+                "them. Drop persistent_workers for an IterableDataset."
+            )
+        stream = ShardedStream(dataset, runtime.rank, runtime.world_size, pad=False,
+                               drop_last=False, batch_size=batch_size)  # fmt: skip
+        return DataLoader(stream, batch_size=batch_size, **loader_kwargs)
+    length = _length(dataset)
+    if length == 0:
+        raise ConfigError("empty evaluation dataset: len(dataset)=0. Check the data path.")
+    sampler = UnpaddedDistributedSampler(length, runtime.world_size, runtime.rank)
     return DataLoader(dataset, batch_size=batch_size, sampler=sampler, **loader_kwargs)
-
-
-def _len(dataset: Dataset) -> int:
-    if not isinstance(dataset, Sized):
-        raise ConfigError("evaluation needs a map-style dataset with __len__.")
-    return len(dataset)

@@ -76,7 +76,8 @@ class GradientAccumulator:
         precision: autocast and loss scaling applied inside each micro-step (default fp32).
         same_batch_sizes: every rank's i-th batch has the same size, so the global sample
             count needs no all-reduce. ``None``: true for a :class:`~ddpkit.ShardedLoader`
-            (equal shards), else false (one all-reduce of the counts per window).
+            whose ranks share one batch size (equal shards), else false (one all-reduce of the
+            counts per window).
         num_samples_fn: samples in a batch (default: first dimension of its first tensor).
 
     Raises:
@@ -144,8 +145,10 @@ class GradientAccumulator:
                 outside ``with micro:`` while a window was open.
         """
         same = self.same_batch_sizes
-        if same is None:
-            same = isinstance(batches, ShardedLoader)
+        if isinstance(batches, ShardedLoader):
+            batches.sample_weighted = True  # no warning about batch sizes: weighed per sample
+            same = batches.same_batch_sizes if same is None else same
+        same = bool(same)
         iterator = iter(batches)
         handles = self._register_hooks()
         try:

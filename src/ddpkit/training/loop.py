@@ -59,7 +59,7 @@ def train_one_epoch(
     model.train()
     start = time.perf_counter()
     accumulator = accumulator or GradientAccumulator(model, runtime)
-    if not join:
+    if not join and loader.full_pass_batches() is not None:  # else a stream: even by design
         verify_even_batches(len(loader) - loader.state_dict()["batches_done"], runtime)
     loss_sum = num_samples = 0.0
     timer = timer or StepTimer(runtime, enabled=False)
