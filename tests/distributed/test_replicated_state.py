@@ -1,6 +1,6 @@
 """Buffers, state outside the model and evaluation tell the truth across ranks.
 
-BatchNorm models trained on per-rank data (rank r's inputs scaled by 1 + r and shifted by 2 r)
+BatchNorm models trained on per-rank data (rank r's inputs scaled by 1 + 2 r and shifted by 4 r)
 so the ranks' running statistics really differ: evaluation scores rank 0's model (the saved one),
 the replica check accepts DDP's default buffer broadcast and names unsynced buffers, a save names
 replicated state that differs on some rank, and ZeroRedundancyOptimizer state resumes exactly.
@@ -44,10 +44,10 @@ def _train(runtime, model: nn.Module, after_step=None) -> None:
     """SGD steps on rank-dependent data: the ranks' BatchNorm batch statistics differ."""
     optimizer = torch.optim.SGD(model.parameters(), lr=0.2)
     for step in range(1, NUM_STEPS + 1):
-        x = torch.randn(16, 4, generator=torch.Generator().manual_seed(100 * runtime.rank + step))
-        x = x * (1 + runtime.rank) + 2.0 * runtime.rank
+        z = torch.randn(16, 4, generator=torch.Generator().manual_seed(100 * runtime.rank + step))
+        x = z * (1 + 2 * runtime.rank) + 4.0 * runtime.rank  # the same task, shifted inputs
         optimizer.zero_grad()
-        F.cross_entropy(model(x), _labels(x)).backward()
+        F.cross_entropy(model(x), _labels(z)).backward()
         optimizer.step()
         if after_step is not None:
             after_step(step)
@@ -103,7 +103,8 @@ def test_evaluate_scores_the_saved_model(world_size, ddp_options):
         assert metrics["loss"] == pytest.approx(reference["loss"], rel=1e-6, abs=0), rank
         assert result["buffers_restored"] and result["still_training"]  # training unaffected
     # the test can fail: the ranks' own statistics score something else
-    assert abs(results[0]["own_statistics"]["loss"] - reference["loss"]) > 1e-3
+    own = results[0]["own_statistics"]  # 0.68, 0.57, 0.58 here against 0.72, 0.68, 0.72
+    assert own["accuracy"] != reference["accuracy"] and abs(own["loss"] - reference["loss"]) > 1e-3
 
 
 def _replica_check_rank(runtime, ddp_options: dict) -> list[str]:
