@@ -142,9 +142,8 @@ def test_replica_check_names_unsynced_buffers_and_the_fix(world_size):
         assert len(outcomes) == NUM_STEPS and "ok" not in outcomes
         first = outcomes[0]
         for rank in range(1, world_size):
-            assert f"rank {rank} differs in buffers module.1.running_mean, module.1.running_var" in (
-                first
-            )
+            names = "module.1.running_mean, module.1.running_var"
+            assert f"rank {rank} differs in buffers {names}" in first
         assert first.startswith("replicas diverged at step 1: ")
         assert "broadcast_buffers=False" in first and "sync_batchnorm=True" in first
 
@@ -214,6 +213,34 @@ def test_save_refuses_diverged_parameters_and_writes_nothing(tmp_path):
     assert list(tmp_path.iterdir()) == []
 
 
+class _Unpicklable:
+    def state_dict(self) -> dict:
+        return {"fn": lambda: 0}  # torch.save cannot pickle a lambda
+
+    def load_state_dict(self, state: dict) -> None:
+        pass
+
+
+def _failed_write_rank(runtime, directory: str) -> str:
+    ckpt = ddpkit.CheckpointManager(directory, runtime)
+    try:
+        ckpt.save(1, model=ddpkit.wrap_model(nn.Linear(2, 2), runtime),
+                  stateful={"bad": _Unpicklable()})  # fmt: skip
+    except Exception as exc:  # every rank must learn that nothing was written
+        return f"{type(exc).__name__}: {exc}"
+    return "saved"
+
+
+def test_a_failed_write_on_rank_zero_is_reported_on_every_rank(tmp_path):
+    results = run_distributed(_failed_write_rank, 2, args=(str(tmp_path),))
+    assert "lambda" in results[0]
+    assert results[1].startswith(
+        "DistributedError: checkpoint step 1 not written: rank 0 failed to write it ("
+    )
+    assert "lambda" in results[1] and "Nothing was left half-written" in results[1]
+    assert list(tmp_path.iterdir()) == []
+
+
 ZERO_STEPS = 8
 
 
@@ -233,7 +260,8 @@ def _zero_run(runtime, directory: str, stop_after: int | None, resume: bool):
         step += 1
         gen = torch.Generator().manual_seed(10 * runtime.rank + step)
         optimizer.zero_grad()
-        F.mse_loss(model(torch.randn(5, 6, generator=gen)), torch.randn(5, 2, generator=gen)).backward()
+        x, y = torch.randn(5, 6, generator=gen), torch.randn(5, 2, generator=gen)
+        F.mse_loss(model(x), y).backward()
         optimizer.step()
         if step == stop_after:
             ckpt.save(step, model=model, optimizer=optimizer)

@@ -27,6 +27,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from ddpkit.distributed.process_group import Runtime
 from ddpkit.errors import DistributedError
+from ddpkit.parallel.wrap import is_compiled
 
 _INT_OF_SIZE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
@@ -60,23 +61,35 @@ def tensor_digests(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
     return torch.stack([row.cpu() for row in rows])
 
 
-def synced_buffer_names(model: nn.Module) -> set[str]:
-    """Names (as in ``model.named_buffers()``) of the buffers DDP overwrites with rank 0's at the
-    start of every forward: all of a DDP model's buffers unless it was built with
-    ``broadcast_buffers=False``/``forward_sync_buffers=False`` or ignores them; none otherwise.
+def _ddp_layer(model: nn.Module) -> DistributedDataParallel | None:
+    """The DDP wrapper of ``model`` (also under ``torch.compile``), or None."""
+    while not isinstance(model, DistributedDataParallel):
+        if not is_compiled(model):
+            return None
+        model = model._orig_mod
+    return model
+
+
+def synced_buffers(model: nn.Module) -> set[int]:
+    """``id()`` of each buffer DDP overwrites with rank 0's at the start of every forward.
+
+    All buffers of a DDP model (also inside ``torch.compile``) unless it was built with
+    ``broadcast_buffers=False``/``forward_sync_buffers=False`` or told to ignore them; none for
+    a model without DDP.
     """
-    if not isinstance(model, DistributedDataParallel):
+    layer = _ddp_layer(model)
+    if layer is None:
         return set()
-    if not getattr(model, "forward_sync_buffers", getattr(model, "broadcast_buffers", True)):
+    # torch 2.13 calls the switch forward_sync_buffers; broadcast_buffers (its old name) remains
+    if not getattr(layer, "forward_sync_buffers", getattr(layer, "broadcast_buffers", True)):
         return set()
-    ignored = getattr(model, "parameters_to_ignore", set())
-    return {
-        f"module.{name}" for name, _ in model.module.named_buffers() if name not in ignored
-    }
+    ignored = getattr(layer, "parameters_to_ignore", set())
+    return {id(b) for name, b in layer.module.named_buffers() if name not in ignored}
 
 
-def _buffer_fix(model: nn.Module) -> str:
-    if isinstance(model, DistributedDataParallel):
+def buffer_fix(model: nn.Module) -> str:
+    """How to make ``model``'s buffers agree across ranks, in one or two sentences."""
+    if _ddp_layer(model) is not None:
         return (
             "DDP was built with broadcast_buffers=False (forward_sync_buffers=False), so each "
             "rank keeps the statistics of its own shard and only rank 0's are saved and "
@@ -117,9 +130,9 @@ def check_replicas(model: nn.Module, runtime: Runtime, step: int) -> None:
     """
     if runtime.process_group is None:
         return
-    skipped = synced_buffer_names(model)
+    skipped = synced_buffers(model)
     params = list(model.named_parameters())
-    buffers = [(n, b) for n, b in model.named_buffers() if n not in skipped]
+    buffers = [(n, b) for n, b in model.named_buffers() if id(b) not in skipped]
     names = [n for n, _ in params + buffers]
     local = tensor_digests([t for _, t in params + buffers]).to(runtime.device)
     gathered = [torch.empty_like(local) for _ in range(runtime.world_size)]
@@ -145,5 +158,5 @@ def check_replicas(model: nn.Module, runtime: Runtime, step: int) -> None:
     if buffer_problems:
         raise ReplicaDivergenceError(
             f"replicas diverged at step {step}: {'; '.join(buffer_problems)} (compared with "
-            f"rank 0). {_buffer_fix(model)}"
+            f"rank 0). {buffer_fix(model)}"
         )
