@@ -195,12 +195,15 @@ class CheckpointManager:
                 optimizer.consolidate_state_dict(to=0)
         states = {"optimizer": optimizer, "scheduler": scheduler, "scaler": scaler}
         states.update({f"stateful[{name!r}]": obj for name, obj in (stateful or {}).items()})
-        digests = replicated_digests(model, states=states, optimizer_sharded=sharded)
+        digests = (
+            replicated_digests(model, states=states, optimizer_sharded=sharded)
+            if self.runtime.process_group is not None
+            else {}
+        )
         gathered = _gather({"rng": rng_state(), "digests": digests}, self.runtime)
         found = differences([g["digests"] for g in gathered])
         raise_if_parameters_differ(found, step)
-        folder = self.directory / checkpoint_dir_name(step)
-        error = None
+        folder, error = self.directory / checkpoint_dir_name(step), None
         if self.runtime.is_rank_zero:
             try:
                 if found:
@@ -211,18 +214,21 @@ class CheckpointManager:
                     "loader": _state_of(loader),
                     "stateful": {name: obj.state_dict() for name, obj in (stateful or {}).items()},
                     "rng_per_rank": [g["rng"] for g in gathered],
-                    "step": step,
-                    "world_size": self.runtime.world_size,
-                    "extra": extra or {},
                 }
-                meta = {"world_size": self.runtime.world_size, "extra": extra or {}}
-                if found:
-                    meta["differs_across_ranks"] = {s: list(r) for s, r in found.items()}
-                folder = write_checkpoint(self.directory, step, state, meta)
-                self._prune()
+                folder = self._write(step, state, extra, found)
             except Exception as exc:  # noqa: BLE001 - every rank must learn of it
                 error = exc
         self._agree_written(step, error)
+        return folder
+
+    def _write(self, step: int, state: dict, extra: dict | None, found: dict) -> Path:
+        """Rank 0: write the folder atomically, then prune older ones."""
+        state.update(step=step, world_size=self.runtime.world_size, extra=extra or {})
+        meta = {"world_size": self.runtime.world_size, "extra": extra or {}}
+        if found:
+            meta["differs_across_ranks"] = {s: list(ranks) for s, ranks in found.items()}
+        folder = write_checkpoint(self.directory, step, state, meta)
+        self._prune()
         return folder
 
     def _agree_written(self, step: int, error: Exception | None) -> None:
