@@ -161,3 +161,22 @@ def test_a_raw_compiled_state_dict_loads_into_a_plain_model():
     target = nn.Linear(3, 2)
     ddpkit.load_model_state(target, source.state_dict())
     assert torch.equal(target.bias, ddpkit.unwrap_model(source).bias)
+
+
+def test_tensor_digests_are_exact_and_position_sensitive():
+    from ddpkit.guards.replicas import tensor_digests
+
+    gen = torch.Generator().manual_seed(0)
+    for n in (5, 4096, 10_001):  # the batched small path, one full row, rows plus a tail
+        a = torch.randn(n, generator=gen)
+        swapped, nudged = a.clone(), a.clone()
+        swapped[[1, 3]] = swapped[[3, 1]]
+        nudged[n // 2] = torch.nextafter(nudged[n // 2], torch.tensor(float("inf")))
+        rows = tensor_digests([a, a.clone(), swapped, nudged])
+        assert torch.equal(rows[0], rows[1]), n
+        assert not torch.equal(rows[0], rows[2]) and not torch.equal(rows[0], rows[3]), n
+    nan, zero = torch.tensor([float("nan")]), torch.tensor([0.0])
+    rows = tensor_digests([nan, nan.clone(), zero, -zero, torch.ones(3, dtype=torch.bool)])
+    assert torch.equal(rows[0], rows[1])  # bit patterns: the same NaN is equal to itself
+    assert not torch.equal(rows[2], rows[3])  # and -0.0 is not 0.0
+    assert tensor_digests([]).shape == (0, 3)
