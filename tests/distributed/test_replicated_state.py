@@ -107,8 +107,10 @@ def test_evaluate_scores_the_saved_model(world_size, ddp_options):
     assert own["accuracy"] != reference["accuracy"] and abs(own["loss"] - reference["loss"]) > 1e-3
 
 
-def _replica_check_rank(runtime, ddp_options: dict) -> list[str]:
+def _replica_check_rank(runtime, ddp_options: dict, compiled: bool = False) -> list[str]:
     model = ddpkit.wrap_model(_bn_net(), runtime, **ddp_options)
+    if compiled:  # torch.compile(DDP(m)): DDP's buffer broadcast is found under the wrapper
+        model = torch.compile(model, backend="eager")
     outcomes = []
 
     def check(step: int) -> None:
@@ -122,8 +124,9 @@ def _replica_check_rank(runtime, ddp_options: dict) -> list[str]:
     return outcomes
 
 
-def test_replica_check_accepts_ddp_default_batchnorm():
-    for outcomes in run_distributed(_replica_check_rank, 2, args=({},)):
+@pytest.mark.parametrize("compiled", [False, True], ids=["ddp", "compiled-ddp"])
+def test_replica_check_accepts_ddp_default_batchnorm(compiled):
+    for outcomes in run_distributed(_replica_check_rank, 2, args=({}, compiled), timeout_s=120):
         assert outcomes == ["ok"] * NUM_STEPS
 
 
