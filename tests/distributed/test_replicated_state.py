@@ -151,6 +151,24 @@ def test_replica_check_names_unsynced_buffers_and_the_fix(world_size):
         assert "broadcast_buffers=False" in first and "sync_batchnorm=True" in first
 
 
+def _save_unsynced_buffers_rank(runtime, directory: str) -> list[str]:
+    messages: list[str] = []
+    handler = logging.Handler()
+    handler.emit = lambda record: messages.append(record.getMessage())
+    logging.getLogger("ddpkit").addHandler(handler)
+    model = ddpkit.wrap_model(_bn_net(), runtime, broadcast_buffers=False)
+    _train(runtime, model)
+    ddpkit.CheckpointManager(directory, runtime).save(NUM_STEPS, model=model)
+    return messages
+
+
+def test_save_names_unsynced_buffers_and_saves_rank_zero_statistics(tmp_path):
+    messages = run_distributed(_save_unsynced_buffers_rank, 2, args=(str(tmp_path),))[0]
+    (warning,) = [m for m in messages if "differs across ranks" in m]
+    assert "model buffers differ on rank(s) 1 (1.running_mean, 1.running_var)" in warning
+    assert "sync_batchnorm=True" in warning
+
+
 class _Ema:
     """An EMA of the parameters kept outside the DDP module."""
 

@@ -132,13 +132,21 @@ def raise_if_parameters_differ(found: dict[str, dict[int, list[str]]], step: int
     )
 
 
-def describe(found: dict[str, dict[int, list[str]]], folder_name: str, buffer_fix: str) -> str:
-    """One warning naming every differing section, its keys and ranks, and the fix."""
-    parts = [f"{s} differs on rank(s) {_ranks(r)} ({_keys(r)})" for s, r in found.items()]
-    fixes = []
-    if BUFFERS in found:
-        fixes.append(buffer_fix)
-    if set(found) - {BUFFERS}:
+def describe(
+    found: dict[str, dict[int, list[str]]], folder_name: str, notes: Mapping[str, str]
+) -> str:
+    """One warning naming every differing section, its keys and ranks, and the fix.
+
+    ``notes`` gives the explanation for a section (model buffers: the buffer fix; a local-SGD
+    optimizer: why its state is per rank); other sections get the generic one.
+    """
+    parts = [
+        f"{s} {'differ' if s in (PARAMETERS, BUFFERS) else 'differs'} on rank(s) {_ranks(r)} "
+        f"({_keys(r)})"
+        for s, r in found.items()
+    ]
+    fixes = list(dict.fromkeys(notes[s] for s in found if s in notes))
+    if set(found) - set(notes):
         fixes.append(
             "State every rank must hold the same was changed on some ranks only (updated on one "
             "rank, or from rank-local data): update it identically on every rank, or keep it on "

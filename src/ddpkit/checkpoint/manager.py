@@ -30,6 +30,7 @@ import torch
 import torch.distributed as dist
 
 from ddpkit.checkpoint.consistency import (
+    BUFFERS,
     describe,
     differences,
     raise_if_parameters_differ,
@@ -44,9 +45,11 @@ from ddpkit.checkpoint.io import (
     write_checkpoint,
 )
 from ddpkit.checkpoint.objects import (
+    LOCAL_SGD_NOTE,
     check_extra,
     check_saved_stateful,
     check_stateful,
+    is_local_sgd_optimizer,
     is_zero_optimizer,
 )
 from ddpkit.checkpoint.state import load_model_state, rng_state, set_rng_state
@@ -100,6 +103,14 @@ _OBJECTS = ("optimizer", "scheduler", "scaler")
 
 def _state_of(obj: Any) -> Any:
     return obj.state_dict() if obj is not None else None
+
+
+def _notes(model: torch.nn.Module, optimizer: Any) -> dict[str, str]:
+    """What explains a difference in each section, for :func:`describe`."""
+    notes = {BUFFERS: buffer_fix(model)}
+    if is_local_sgd_optimizer(optimizer):
+        notes["optimizer"] = LOCAL_SGD_NOTE
+    return notes
 
 
 def _gather(obj: Any, runtime: Runtime) -> list[Any]:
@@ -207,7 +218,7 @@ class CheckpointManager:
         if self.runtime.is_rank_zero:
             try:
                 if found:
-                    log.warning(describe(found, folder.name, buffer_fix(model)))
+                    log.warning(describe(found, folder.name, _notes(model, optimizer)))
                 state = {
                     "model": unwrap_model(model).state_dict(),
                     **{key: _state_of(obj) for key, obj in states.items() if key in _OBJECTS},

@@ -94,3 +94,17 @@ def is_zero_optimizer(optimizer: Any) -> bool:
     module = sys.modules.get("torch.distributed.optim.zero_redundancy_optimizer")
     zero = getattr(module, "ZeroRedundancyOptimizer", None)
     return zero is not None and isinstance(optimizer, zero)
+
+
+LOCAL_SGD_NOTE = (
+    "Local SGD averages parameters only: each rank's optimizer state (momentum, Adam moments) "
+    "follows its own gradients by design, so a resumed local-SGD run is not bit-exact."
+)
+
+
+def is_local_sgd_optimizer(optimizer: Any) -> bool:
+    """True for torch's ``PostLocalSGDOptimizer`` (what :func:`ddpkit.enable_local_sgd`
+    returns), looked up without importing it (see :func:`is_zero_optimizer`)."""
+    module = sys.modules.get("torch.distributed.optim.post_localSGD_optimizer")
+    local_sgd = getattr(module, "PostLocalSGDOptimizer", None)
+    return local_sgd is not None and isinstance(optimizer, local_sgd)
