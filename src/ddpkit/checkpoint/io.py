@@ -50,13 +50,28 @@ def write_checkpoint(directory: Path, step: int, state: dict[str, Any], meta: di
     """Write ``state`` as checkpoint ``step`` under ``directory`` atomically; returns its folder.
 
     Not a collective: call it on the one rank that writes (rank 0 for replicated state).
-    An existing checkpoint of the same step is replaced.
+    An existing checkpoint of the same step is replaced. On any error (a state torch cannot
+    pickle, a manifest that is not JSON, a full disk) the temporary folder is removed before
+    the error propagates: nothing half-written stays behind.
     """
     directory.mkdir(parents=True, exist_ok=True)
     final = directory / checkpoint_dir_name(step)
     tmp = directory / f".tmp-{final.name}-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir()
+    try:
+        _write_files(tmp, step, state, meta)
+    except BaseException:  # a state that cannot be pickled, a full disk, an interrupt
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    if final.exists():  # re-saving a step after a restart: the older ones stay as fallbacks
+        shutil.rmtree(final)
+    os.rename(tmp, final)
+    _fsync(directory)
+    return final
+
+
+def _write_files(tmp: Path, step: int, state: dict[str, Any], meta: dict) -> None:
     torch.save(state, tmp / STATE_FILE)
     _fsync(tmp / STATE_FILE)
     manifest = {
@@ -68,11 +83,6 @@ def write_checkpoint(directory: Path, step: int, state: dict[str, Any], meta: di
     (tmp / MANIFEST).write_text(json.dumps(manifest, indent=2))
     _fsync(tmp / MANIFEST)
     _fsync(tmp)
-    if final.exists():  # re-saving a step after a restart: the older ones stay as fallbacks
-        shutil.rmtree(final)
-    os.rename(tmp, final)
-    _fsync(directory)
-    return final
 
 
 def read_manifest(folder: Path) -> dict:

@@ -1,9 +1,13 @@
 """Checkpoint manager: collective save by a single writer, exact resume, fallback on corruption.
 
-What a checkpoint holds: the unwrapped model state (no ``module.`` prefix), optimizer, LR
-scheduler and grad scaler states, the step and epoch, the sharded loader's position inside the
-epoch, every rank's RNG states (torch, CUDA, numpy, python) and the world size. Resuming puts all
-of them back, so a run stopped at step k and resumed ends bitwise equal to an uninterrupted run.
+What a checkpoint holds: the unwrapped model state (no ``module.``/``_orig_mod.`` prefix),
+optimizer (a ``ZeroRedundancyOptimizer`` consolidated first), LR scheduler and grad scaler
+states, ``stateful`` objects (an EMA, ...), the step and epoch, the sharded loader's position
+inside the epoch, every rank's RNG states (torch, CUDA, numpy, python) and the world size.
+Resuming puts all of them back, so a run stopped at step k and resumed ends bitwise equal to an
+uninterrupted run. Replicated state is written by rank 0 after it was compared across ranks
+(:mod:`ddpkit.checkpoint.consistency`): a copy that differs on some rank is reported, never
+silently dropped.
 
 Example::
 
@@ -25,6 +29,13 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from ddpkit.checkpoint.consistency import (
+    BUFFERS,
+    describe,
+    differences,
+    raise_if_parameters_differ,
+    replicated_digests,
+)
 from ddpkit.checkpoint.io import (
     MANIFEST,
     checkpoint_dir_name,
@@ -33,10 +44,19 @@ from ddpkit.checkpoint.io import (
     read_manifest,
     write_checkpoint,
 )
+from ddpkit.checkpoint.objects import (
+    LOCAL_SGD_NOTE,
+    check_extra,
+    check_saved_stateful,
+    check_stateful,
+    is_local_sgd_optimizer,
+    is_zero_optimizer,
+)
 from ddpkit.checkpoint.state import load_model_state, rng_state, set_rng_state
-from ddpkit.distributed.collectives import barrier
+from ddpkit.distributed.collectives import all_reduce_sum, barrier
 from ddpkit.distributed.process_group import Runtime
 from ddpkit.errors import ConfigError, DataError, DistributedError
+from ddpkit.guards.replicas import buffer_fix
 from ddpkit.log import get_logger
 from ddpkit.parallel.wrap import unwrap_model
 
@@ -76,6 +96,21 @@ def newest_manifest(directory: Path) -> tuple[Path, dict] | None:
         except DataError:
             continue
     return None
+
+
+_OBJECTS = ("optimizer", "scheduler", "scaler")
+
+
+def _state_of(obj: Any) -> Any:
+    return obj.state_dict() if obj is not None else None
+
+
+def _notes(model: torch.nn.Module, optimizer: Any) -> dict[str, str]:
+    """What explains a difference in each section, for :func:`describe`."""
+    notes = {BUFFERS: buffer_fix(model)}
+    if is_local_sgd_optimizer(optimizer):
+        notes["optimizer"] = LOCAL_SGD_NOTE
+    return notes
 
 
 def _gather(obj: Any, runtime: Runtime) -> list[Any]:
@@ -130,32 +165,103 @@ class CheckpointManager:
         scaler: Any = None,
         loader: Any = None,
         extra: dict | None = None,
+        stateful: dict[str, Any] | None = None,
     ) -> Path:
         """Write checkpoint ``step``; returns its folder once it is complete on disk.
 
-        Collective: call on every rank at the same step. Rank 0 alone writes (the state is
-        replicated); every rank's RNG state is gathered to it first; all ranks return only after
-        the checkpoint is complete (a barrier), so none races ahead of a half-written one.
+        Collective: call on every rank at the same step. A ``ZeroRedundancyOptimizer`` is
+        consolidated on rank 0 first. One all-gather brings every rank's RNG state and the
+        checksums of its replicated state to every rank (see
+        :mod:`ddpkit.checkpoint.consistency`); rank 0 alone writes (atomically: a failure at
+        any point leaves no folder behind), then one all-reduce tells every rank whether it
+        succeeded, so all return once the checkpoint is complete or all raise.
+
+        Args:
+            step: the optimizer step; names the folder ``step-XXXXXXXX``.
+            model: wrapped or plain; saved without wrapper prefixes.
+            optimizer, scheduler, scaler, loader: saved with their ``state_dict()``.
+            extra: JSON settings written to the manifest; :meth:`resume` with ``extra``
+                refuses a checkpoint whose settings differ.
+            stateful: ``{name: object}`` with ``state_dict()``/``load_state_dict()``, for
+                replicated state outside the model (an EMA copy, ...); pass the same names to
+                :meth:`resume`.
+
+        Raises:
+            TypeError: ``extra`` holds a non-JSON value, or a ``stateful`` entry lacks
+                ``state_dict``/``load_state_dict`` (on every rank, before anything happens).
+            ReplicaDivergenceError: the model's parameters differ across ranks (nothing is
+                written). Other replicated state that differs is saved from rank 0 with a
+                warning naming it and the ranks, and listed in the manifest.
+            DistributedError: rank 0 failed to write (raised on the other ranks; rank 0
+                raises its own error).
+
+        Example:
+            >>> ckpt.save(step, model=model, optimizer=opt, stateful={"ema": ema})  # doctest: +SKIP
         """
-        rng_per_rank = _gather(rng_state(), self.runtime)
-        folder = self.directory / checkpoint_dir_name(step)
+        check_extra(extra)
+        check_stateful(stateful)
+        sharded = is_zero_optimizer(optimizer)
+        if sharded and self.runtime.process_group is not None:
+            with self.runtime.watch("ZeroRedundancyOptimizer.consolidate_state_dict"):
+                optimizer.consolidate_state_dict(to=0)
+        states = {"optimizer": optimizer, "scheduler": scheduler, "scaler": scaler}
+        states.update({f"stateful[{name!r}]": obj for name, obj in (stateful or {}).items()})
+        digests = (
+            replicated_digests(model, states=states, optimizer_sharded=sharded)
+            if self.runtime.process_group is not None
+            else {}
+        )
+        gathered = _gather({"rng": rng_state(), "digests": digests}, self.runtime)
+        found = differences([g["digests"] for g in gathered])
+        raise_if_parameters_differ(found, step)
+        folder, error = self.directory / checkpoint_dir_name(step), None
         if self.runtime.is_rank_zero:
-            state = {
-                "model": unwrap_model(model).state_dict(),
-                "optimizer": optimizer.state_dict() if optimizer is not None else None,
-                "scheduler": scheduler.state_dict() if scheduler is not None else None,
-                "scaler": scaler.state_dict() if scaler is not None else None,
-                "loader": loader.state_dict() if loader is not None else None,
-                "rng_per_rank": rng_per_rank,
-                "step": step,
-                "world_size": self.runtime.world_size,
-                "extra": extra or {},
-            }
-            meta = {"world_size": self.runtime.world_size, "extra": extra or {}}
-            folder = write_checkpoint(self.directory, step, state, meta)
-            self._prune()
-        barrier(self.runtime)
+            try:
+                if found:
+                    log.warning(describe(found, folder.name, _notes(model, optimizer)))
+                state = {
+                    "model": unwrap_model(model).state_dict(),
+                    **{key: _state_of(obj) for key, obj in states.items() if key in _OBJECTS},
+                    "loader": _state_of(loader),
+                    "stateful": {name: obj.state_dict() for name, obj in (stateful or {}).items()},
+                    "rng_per_rank": [g["rng"] for g in gathered],
+                }
+                folder = self._write(step, state, extra, found)
+            except Exception as exc:  # noqa: BLE001 - every rank must learn of it
+                error = exc
+        self._agree_written(step, error)
         return folder
+
+    def _write(self, step: int, state: dict, extra: dict | None, found: dict) -> Path:
+        """Rank 0: write the folder atomically, then prune older ones."""
+        state.update(step=step, world_size=self.runtime.world_size, extra=extra or {})
+        meta = {"world_size": self.runtime.world_size, "extra": extra or {}}
+        if found:
+            meta["differs_across_ranks"] = {s: list(ranks) for s, ranks in found.items()}
+        folder = write_checkpoint(self.directory, step, state, meta)
+        self._prune()
+        return folder
+
+    def _agree_written(self, step: int, error: Exception | None) -> None:
+        """Every rank returns once rank 0 wrote the checkpoint, or every rank raises.
+
+        Collective: one all-reduce (two on failure: rank 0's message is broadcast).
+        """
+        if self.runtime.process_group is None:
+            if error is not None:
+                raise error
+            return
+        if not int(all_reduce_sum([error is not None], self.runtime)[0]):
+            return
+        message = [f"{type(error).__name__}: {error}" if error is not None else None]
+        with self.runtime.watch("checkpoint save: broadcast rank 0's error"):
+            dist.broadcast_object_list(message, group=self.runtime.process_group, group_src=0)
+        if error is not None:
+            raise error
+        raise DistributedError(
+            f"checkpoint step {step} not written: rank 0 failed to write it ({message[0]}). "
+            "Nothing was left half-written; see rank 0's traceback for the cause."
+        )
 
     def maybe_save(self, step: int, **state: Any) -> Path | None:
         """:meth:`save` when ``every_steps`` divides ``step``. Collective like :meth:`save`."""
@@ -214,6 +320,7 @@ class CheckpointManager:
         loader: Any = None,
         path: str | Path | None = None,
         extra: dict | None = None,
+        stateful: dict[str, Any] | None = None,
     ) -> int:
         """Restore the newest complete checkpoint (or ``path``); returns its step, 0 if none.
 
@@ -227,10 +334,14 @@ class CheckpointManager:
 
         Args:
             extra: settings that must equal those saved (see :func:`check_compatible`).
+            stateful: ``{name: object}`` as given to :meth:`save`; each gets its state back.
+                A ``ZeroRedundancyOptimizer`` as ``optimizer`` takes its own shard of the
+                consolidated state.
 
         Raises:
             ConfigError: another world size or other settings (see :func:`check_compatible`).
-            DataError: ``path`` is corrupt or incomplete.
+            DataError: ``path`` is corrupt or incomplete; a ``stateful`` object has no state
+                in the checkpoint.
             DistributedError: the ranks found different newest checkpoints.
         """
         if path is not None:
@@ -248,7 +359,11 @@ class CheckpointManager:
             return 0
         folder, state = found
         check_compatible(folder, read_manifest(folder), self.runtime.world_size, extra)
+        check_stateful(stateful)
+        check_saved_stateful(folder, state.get("stateful") or {}, stateful)
         load_model_state(model, state["model"])
+        for name, obj in (stateful or {}).items():
+            obj.load_state_dict(state["stateful"][name])
         for obj, key in (
             (optimizer, "optimizer"),
             (scheduler, "scheduler"),

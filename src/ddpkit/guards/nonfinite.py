@@ -1,5 +1,5 @@
 """Cross-rank guards: a non-finite loss or gradient decided by all ranks together, step counters
-compared, and a replica-divergence check.
+compared (the replica-divergence check lives in :mod:`ddpkit.guards.replicas`).
 
 Each check is one small all-reduce/all-gather, so every rank reaches the same decision: all
 skip the step or all raise, and nobody waits in a collective the others skipped.
@@ -8,22 +8,20 @@ skip the step or all raise, and nobody waits in a collective the others skipped.
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from ddpkit.distributed.collectives import gather_per_rank
 from ddpkit.distributed.process_group import Runtime
 from ddpkit.errors import DistributedError
+from ddpkit.guards.replicas import ReplicaDivergenceError, check_replicas
+
+__all__ = ["NonFiniteError", "NonFiniteGuard", "ReplicaDivergenceError", "check_replicas"]
 
 MODES = ("skip", "raise")
 
 
 class NonFiniteError(DistributedError):
     """A rank's loss or gradients held NaN/Inf (raised on every rank, naming the culprits)."""
-
-
-class ReplicaDivergenceError(DistributedError):
-    """Replicas that should be identical differ (raised on every rank)."""
 
 
 def _local_nonfinite(loss: torch.Tensor, model: nn.Module) -> int:
@@ -101,48 +99,3 @@ class NonFiniteGuard:
         for param in model.parameters():
             param.grad = None
         return False
-
-
-def parameter_checksums(model: nn.Module) -> tuple[list[str], torch.Tensor]:
-    """Names and a ``(num_tensors, 2)`` float64 checksum (sum, sum of squares) per tensor."""
-    names, rows = [], []
-    for name, tensor in list(model.named_parameters()) + list(model.named_buffers()):
-        data = tensor.detach().to(torch.float64)
-        names.append(name)
-        rows.append(torch.stack([data.sum(), (data * data).sum()]))
-    return names, torch.stack(rows).cpu() if rows else torch.zeros(0, 2, dtype=torch.float64)
-
-
-def check_replicas(model: nn.Module, runtime: Runtime, step: int) -> None:
-    """Raise on every rank if any rank's parameters or buffers differ from rank 0's.
-
-    One checksum pair per tensor is all-gathered (a few bytes per tensor). DDP keeps replicas
-    bitwise identical, so checksums are compared exactly.
-
-    Collective: call on every rank at the same step. A no-op at world size 1.
-
-    Raises:
-        ReplicaDivergenceError: ``replicas diverged at step N: rank r differs in <names>``.
-    """
-    if runtime.process_group is None:
-        return
-    names, local = parameter_checksums(model)
-    gathered = [torch.empty_like(local) for _ in range(runtime.world_size)]
-    with runtime.watch("replica check all_gather"):
-        dist.all_gather(gathered, local.to(runtime.device), group=runtime.process_group)
-    reference = gathered[0].cpu()
-    problems = []
-    for rank, other in enumerate(gathered[1:], start=1):
-        differs = [
-            n
-            for n, a, b in zip(names, reference, other.cpu(), strict=True)
-            if not torch.equal(a, b)
-        ]
-        if differs:
-            problems.append(f"rank {rank} differs in {', '.join(differs)}")
-    if problems:
-        raise ReplicaDivergenceError(
-            f"replicas diverged at step {step}: {'; '.join(problems)} (compared with rank 0). "
-            "Something changed one replica outside DDP (a rank-dependent update, a skipped "
-            "all-reduce, a broadcast missed)."
-        )

@@ -14,6 +14,7 @@ and byte counting (see :mod:`ddpkit.parallel.comm`).
 
 from __future__ import annotations
 
+import sys
 from typing import Any
 
 import torch
@@ -33,11 +34,35 @@ STRATEGIES = ("auto", "single", "ddp", "dp")
 _WRAPPERS = (DistributedDataParallel, DataParallel)
 
 
+def is_compiled(model: object) -> bool:
+    """True for what ``torch.compile(module)`` returns (``torch._dynamo``'s ``OptimizedModule``).
+
+    Looked up only when ``torch._dynamo`` is already imported (a compiled module implies it is),
+    so this costs no import; the compiled wrapper holds the original module in ``_orig_mod``,
+    the attribute torch documents for it and every library unwraps through.
+    """
+    eval_frame = sys.modules.get("torch._dynamo.eval_frame")
+    optimized = getattr(eval_frame, "OptimizedModule", None)
+    return optimized is not None and isinstance(model, optimized)
+
+
 def unwrap_model(model: nn.Module) -> nn.Module:
-    """The user's module inside any DDP/DataParallel wrappers (its keys lack ``module.``)."""
-    while isinstance(model, _WRAPPERS):
-        model = model.module
-    return model
+    """The user's module inside any DDP/DataParallel and ``torch.compile`` wrappers.
+
+    Its state dict keys lack the wrappers' ``module.`` and ``_orig_mod.`` prefixes, in any
+    nesting (``DDP(torch.compile(m))``, ``torch.compile(DDP(m))``). Not a collective.
+
+    Example:
+        >>> unwrap_model(torch.compile(DDP(net))) is net                     # doctest: +SKIP
+        True
+    """
+    while True:
+        if isinstance(model, _WRAPPERS):
+            model = model.module
+        elif is_compiled(model):
+            model = model._orig_mod
+        else:
+            return model
 
 
 def wrap_model(
@@ -138,9 +163,12 @@ def _check_wrap_args(
         raise ConfigError(
             f"unknown strategy: strategy={strategy!r}. Allowed: {', '.join(STRATEGIES)}."
         )
-    if isinstance(model, _WRAPPERS):
+    layer = model
+    while is_compiled(layer):  # torch.compile(DDP(m)) is wrapped too
+        layer = layer._orig_mod
+    if isinstance(layer, _WRAPPERS):
         raise ConfigError(
-            f"model is already wrapped in {type(model).__name__}: wrapping twice would sync "
+            f"model is already wrapped in {type(layer).__name__}: wrapping twice would sync "
             "gradients twice. Pass the plain module (ddpkit.unwrap_model(model))."
         )
     check_compression(grad_compression, powersgd_rank, powersgd_start_step)
@@ -169,5 +197,6 @@ def _check_wrap_args(
 
 
 def model_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
-    """The state dict of the unwrapped model: keys never start with ``module.``."""
+    """The state dict of the unwrapped model: keys never start with ``module.`` or
+    ``_orig_mod.`` (DDP, DataParallel and ``torch.compile`` wrappers removed)."""
     return unwrap_model(model).state_dict()

@@ -1,10 +1,13 @@
-"""Exact distributed evaluation: global sums divided by global counts, each sample counted once."""
+"""Exact distributed evaluation: global sums divided by global counts, each sample counted once,
+scored by the model that is saved (rank 0's buffers)."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+import contextlib
+from collections.abc import Callable, Iterable, Iterator
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.nn import functional as F
 
@@ -22,13 +25,21 @@ def evaluate(
 ) -> dict[str, float]:
     """Classification loss and accuracy over the whole evaluation set.
 
+    The model scored is the one that is saved: rank 0's. Parameters are identical on every rank
+    under DDP, but buffers (BatchNorm running statistics) are not: each training forward updates
+    them with that rank's own batch after DDP copied rank 0's in, and with
+    ``broadcast_buffers=False`` they stay per rank for good. So rank 0's buffers are broadcast
+    first (what DDP's next forward would do), every rank scores its shard with them, and each
+    rank's own buffers are put back afterwards: evaluation never changes training. Cost: one
+    broadcast per buffer dtype (none for a model without buffers), and a copy of the buffers.
+
     Each rank runs the *unwrapped* model on its own shard (build the loader with
     :func:`ddpkit.build_eval_loader`, which gives every sample to exactly one rank), so shards
     of unequal length never wait on DDP's per-forward collectives. Then one all-reduce adds up
     ``(loss_sum, num_correct, num_samples)``: accuracy = global correct / global count, never a
     mean of per-rank means.
 
-    Collective: call on every rank.
+    Collective: call on every rank. At world size 1: the model's own buffers, no communication.
 
     Args:
         model: wrapped or plain; logits of shape ``(batch, num_classes)``.
@@ -39,20 +50,26 @@ def evaluate(
     Returns:
         ``{"loss": mean loss per sample, "accuracy": 0..1, "num_samples": global count}``;
         the same on every rank. With zero samples, loss and accuracy are NaN.
+
+    Example:
+        >>> test = build_eval_loader(test_set, rt, batch_size=1000)
+        >>> evaluate(model, test, rt)["accuracy"]                   # doctest: +SKIP
+        0.9884
     """
     module = unwrap_model(model)
     was_training = module.training
-    module.eval()
     loss_sum = num_correct = num_samples = 0.0
-    try:
-        for inputs, targets in loader:
-            inputs, targets = inputs.to(runtime.device), targets.to(runtime.device)
-            logits = module(inputs)
-            loss_sum += float(loss_fn(logits, targets, reduction="sum"))
-            num_correct += float((logits.argmax(dim=1) == targets).sum())
-            num_samples += targets.numel()
-    finally:
-        module.train(was_training)
+    with rank_zero_buffers(module, runtime):
+        module.eval()
+        try:
+            for inputs, targets in loader:
+                inputs, targets = inputs.to(runtime.device), targets.to(runtime.device)
+                logits = module(inputs)
+                loss_sum += float(loss_fn(logits, targets, reduction="sum"))
+                num_correct += float((logits.argmax(dim=1) == targets).sum())
+                num_samples += targets.numel()
+        finally:
+            module.train(was_training)
     loss_sum, num_correct, num_samples = all_reduce_sum(
         [loss_sum, num_correct, num_samples], runtime
     ).tolist()
@@ -63,3 +80,34 @@ def evaluate(
         "accuracy": num_correct / num_samples,
         "num_samples": int(num_samples),
     }
+
+
+@contextlib.contextmanager
+def rank_zero_buffers(module: nn.Module, runtime: Runtime) -> Iterator[None]:
+    """Give every rank rank 0's buffers inside the block; put each rank's own back afterwards.
+
+    Collective: call on every rank with the same module structure. One broadcast per buffer
+    dtype over the runtime's process group (as DDP's forward does, from rank 0); a no-op at world
+    size 1 or for a module without buffers.
+    """
+    buffers = [b for b in module.buffers() if b.numel()]
+    if runtime.process_group is None or not buffers:
+        yield
+        return
+    own = [b.detach().clone() for b in buffers] if not runtime.is_rank_zero else []
+    by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+    for buffer in buffers:
+        by_dtype.setdefault(buffer.dtype, []).append(buffer)
+    with torch.no_grad():
+        for group in by_dtype.values():
+            flat = torch.cat([b.detach().reshape(-1) for b in group]).to(runtime.device)
+            with runtime.watch("evaluate: broadcast rank 0's buffers"):
+                dist.broadcast(flat, group=runtime.process_group, group_src=0)
+            for buffer, part in zip(group, flat.split([b.numel() for b in group]), strict=True):
+                buffer.copy_(part.view_as(buffer))
+    try:
+        yield
+    finally:
+        with torch.no_grad():
+            for buffer, saved in zip(buffers, own, strict=False):
+                buffer.copy_(saved)

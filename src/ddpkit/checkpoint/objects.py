@@ -1,0 +1,110 @@
+"""What a save accepts besides the model, checked before anything is written or communicated.
+
+- ``extra``: JSON settings, written to the manifest and compared on resume (batch size, ...).
+- ``stateful``: ``{name: object}`` for replicated state outside the model (an EMA copy,
+  ``torch.optim.swa_utils.AveragedModel``, a metric tracker): anything with ``state_dict()`` and
+  ``load_state_dict()``, the protocol torch calls ``Stateful``.
+- a ``torch.distributed.optim.ZeroRedundancyOptimizer``: its state is sharded, one part per
+  rank; a save first consolidates it on rank 0 (a collective), a resume gives each rank its part.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from ddpkit.errors import DataError
+from ddpkit.log import get_logger
+
+log = get_logger("checkpoint")
+
+
+def check_extra(extra: Mapping[str, Any] | None) -> None:
+    """Raise unless every value of ``extra`` is JSON (it goes into ``manifest.json``).
+
+    Raises:
+        TypeError: names the key and its type, and where non-JSON state goes instead.
+    """
+    for key, value in (extra or {}).items():
+        try:
+            json.dumps(value, allow_nan=True)
+        except (TypeError, ValueError):
+            raise TypeError(
+                f"checkpoint extra[{key!r}] is a {type(value).__name__}: extra holds JSON "
+                "settings (numbers, strings, lists, dicts) written to the manifest and compared "
+                f"on resume. Pass state with state_dict()/load_state_dict() as "
+                f"stateful={{{key!r}: ...}} (a tensor: keep it in an nn.Module buffer or your own "
+                "object), or store a JSON form (tensor.tolist())."
+            ) from None
+
+
+def check_stateful(stateful: Mapping[str, Any] | None) -> None:
+    """Raise unless every value has callable ``state_dict`` and ``load_state_dict``.
+
+    Raises:
+        TypeError: names the entry and its type.
+    """
+    for name, obj in (stateful or {}).items():
+        if not isinstance(name, str) or not all(
+            callable(getattr(obj, m, None)) for m in ("state_dict", "load_state_dict")
+        ):
+            raise TypeError(
+                f"checkpoint stateful[{name!r}] is a {type(obj).__name__}: each entry must be "
+                "a str name and an object with state_dict() and load_state_dict() (an "
+                "nn.Module, an optimizer, torch.optim.swa_utils.AveragedModel, your own class). "
+                "Wrap a bare tensor in such an object."
+            )
+
+
+def check_saved_stateful(
+    folder: Path, saved: Mapping[str, Any], stateful: Mapping[str, Any] | None
+) -> None:
+    """Before a resume loads anything: each object passed has state in the checkpoint.
+
+    State saved but not passed is not restored: a warning names it.
+
+    Raises:
+        DataError: an object passed has no state in the checkpoint.
+    """
+    missing = [name for name in (stateful or {}) if name not in saved]
+    if missing:
+        raise DataError(
+            f"checkpoint {folder} has no state for "
+            f"{', '.join(f'stateful[{n!r}]' for n in missing)} (it holds "
+            f"{sorted(saved) or 'none'}). Pass the objects it was saved with, or leave the new "
+            "one out of resume() to start it fresh."
+        )
+    left = [name for name in saved if name not in (stateful or {})]
+    if left:
+        log.warning(
+            "checkpoint %s holds state not restored: %s. Pass stateful={name: obj} to resume() "
+            "to restore it.", folder.name, ", ".join(f"stateful[{n!r}]" for n in left),
+        )  # fmt: skip
+
+
+def is_zero_optimizer(optimizer: Any) -> bool:
+    """True for a ``torch.distributed.optim.ZeroRedundancyOptimizer`` (sharded state).
+
+    Looked up only when its module is already imported (an instance implies it is): importing
+    ``torch.distributed.optim`` costs seconds, which every other user would pay.
+    """
+    module = sys.modules.get("torch.distributed.optim.zero_redundancy_optimizer")
+    zero = getattr(module, "ZeroRedundancyOptimizer", None)
+    return zero is not None and isinstance(optimizer, zero)
+
+
+LOCAL_SGD_NOTE = (
+    "Local SGD averages parameters only: each rank's optimizer state (momentum, Adam moments) "
+    "follows its own gradients by design, so a resumed local-SGD run is not bit-exact."
+)
+
+
+def is_local_sgd_optimizer(optimizer: Any) -> bool:
+    """True for torch's ``PostLocalSGDOptimizer`` (what :func:`ddpkit.enable_local_sgd`
+    returns), looked up without importing it (see :func:`is_zero_optimizer`)."""
+    module = sys.modules.get("torch.distributed.optim.post_localSGD_optimizer")
+    local_sgd = getattr(module, "PostLocalSGDOptimizer", None)
+    return local_sgd is not None and isinstance(optimizer, local_sgd)

@@ -1,0 +1,182 @@
+"""Checkpointed state beyond the model: extra objects, failed saves, partial loads, torch.compile.
+
+One process (world size 1). The cross-rank parts (comparison at save, ZeroRedundancyOptimizer)
+are in tests/distributed/test_replicated_state.py.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+from torch import nn
+
+import ddpkit
+from ddpkit.checkpoint.io import load_checkpoint
+from ddpkit.distributed.env import ProcessInfo
+from ddpkit.distributed.process_group import Runtime
+from ddpkit.errors import DataError
+
+
+def _runtime() -> Runtime:
+    return Runtime(ProcessInfo(), None, torch.device("cpu"))
+
+
+class _Ema:
+    """An EMA of a model's parameters kept outside the model (what users write by hand)."""
+
+    def __init__(self, model: nn.Module, decay: float = 0.9) -> None:
+        self.decay = decay
+        self.shadow = {n: p.detach().clone() for n, p in model.named_parameters()}
+
+    def update(self, model: nn.Module) -> None:
+        for name, param in model.named_parameters():
+            self.shadow[name].mul_(self.decay).add_(param.detach(), alpha=1 - self.decay)
+
+    def state_dict(self) -> dict:
+        return {"decay": self.decay, "shadow": {n: t.clone() for n, t in self.shadow.items()}}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.decay = state["decay"]
+        self.shadow = {n: t.clone() for n, t in state["shadow"].items()}
+
+
+def _leftovers(directory) -> list[str]:
+    return sorted(p.name for p in directory.iterdir()) if directory.exists() else []
+
+
+def test_tensor_in_extra_is_refused_naming_the_key_and_nothing_is_written(tmp_path):
+    model = nn.Linear(2, 2)
+    ckpt = ddpkit.CheckpointManager(tmp_path / "ck", _runtime())
+    with pytest.raises(TypeError) as info:
+        ckpt.save(1, model=model, extra={"lr": 0.1, "ema": torch.ones(2)})
+    message = str(info.value)
+    assert "extra['ema']" in message and "Tensor" in message
+    assert "stateful={'ema': ...}" in message  # says where such state goes
+    assert _leftovers(tmp_path / "ck") == []
+
+
+def test_a_failing_save_leaves_nothing_half_written(tmp_path):
+    class Unpicklable:
+        def state_dict(self):
+            return {"fn": lambda: 0}  # torch.save cannot pickle a lambda
+
+        def load_state_dict(self, state):
+            pass
+
+    model = nn.Linear(2, 2)
+    ckpt = ddpkit.CheckpointManager(tmp_path, _runtime())
+    ckpt.save(1, model=model)
+    with pytest.raises(Exception, match="lambda|pickle"):
+        ckpt.save(2, model=model, stateful={"bad": Unpicklable()})
+    assert _leftovers(tmp_path) == ["step-00000001"]  # no .tmp-step-00000002-* folder
+
+
+def test_stateful_objects_round_trip_and_missing_state_is_an_error(tmp_path):
+    torch.manual_seed(0)
+    model = nn.Linear(3, 2)
+    ema, ema_module = _Ema(model), torch.optim.swa_utils.AveragedModel(model)
+    with torch.no_grad():
+        model.weight.add_(1.0)
+    ema.update(model)
+    ema_module.update_parameters(model)
+    ckpt = ddpkit.CheckpointManager(tmp_path, _runtime())
+    ckpt.save(4, model=model, stateful={"ema": ema, "swa": ema_module})
+    assert set(load_checkpoint(tmp_path / "step-00000004")["stateful"]) == {"ema", "swa"}
+
+    torch.manual_seed(1)
+    fresh = nn.Linear(3, 2)
+    fresh_ema, fresh_swa = _Ema(fresh), torch.optim.swa_utils.AveragedModel(fresh)
+    assert ckpt.resume(model=fresh, stateful={"ema": fresh_ema, "swa": fresh_swa}) == 4
+    for name, tensor in ema.shadow.items():
+        assert torch.equal(fresh_ema.shadow[name], tensor)
+    for (name, a), b in zip(ema_module.state_dict().items(), fresh_swa.state_dict().values()):
+        assert torch.equal(a, b), name
+    with pytest.raises(DataError, match=r"has no state for stateful\['other'\]"):
+        ckpt.resume(model=fresh, stateful={"other": _Ema(fresh)})
+
+
+def test_stateful_without_state_dict_is_refused(tmp_path):
+    ckpt = ddpkit.CheckpointManager(tmp_path, _runtime())
+    with pytest.raises(TypeError, match=r"stateful\['ema'\] is a Tensor"):
+        ckpt.save(1, model=nn.Linear(2, 2), stateful={"ema": torch.ones(2)})
+    assert _leftovers(tmp_path) == []
+
+
+def test_partial_load_returns_and_logs_the_keys(caplog):
+    model = nn.Sequential(nn.Linear(3, 2), nn.Linear(2, 1))
+    state = {"0.weight": torch.ones(2, 3), "0.bias": torch.ones(2), "head.w": torch.ones(1)}
+    with caplog.at_level(logging.WARNING, logger="ddpkit"):
+        result = ddpkit.load_model_state(model, state, strict=False)
+    assert result.missing_keys == ["1.weight", "1.bias"]
+    assert result.unexpected_keys == ["head.w"]
+    assert torch.equal(model[0].weight, torch.ones(2, 3))
+    assert "partial load into Sequential: 2 of 4 keys loaded" in caplog.text
+    assert "missing ['1.weight', '1.bias']" in caplog.text
+    assert "unexpected ['head.w']" in caplog.text
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="ddpkit"):
+        full = ddpkit.load_model_state(model, nn.Sequential(nn.Linear(3, 2), nn.Linear(2, 1))
+                                       .state_dict(), strict=False)  # fmt: skip
+    assert full.missing_keys == [] and full.unexpected_keys == [] and caplog.text == ""
+
+
+def _compiled(module: nn.Module) -> nn.Module:
+    compiled = torch.compile(module, backend="eager")  # the real OptimizedModule, compiled fast
+    compiled(torch.randn(2, module.in_features))
+    return compiled
+
+
+def test_torch_compile_prefix_is_handled_everywhere(tmp_path):
+    torch.manual_seed(0)
+    inner = nn.Linear(3, 2)
+    compiled = _compiled(inner)
+    assert type(compiled).__name__ == "OptimizedModule"
+    assert list(compiled.state_dict()) == ["_orig_mod.weight", "_orig_mod.bias"]
+    assert ddpkit.unwrap_model(compiled) is inner
+    assert list(ddpkit.model_state_dict(compiled)) == ["weight", "bias"]
+
+    for prefix in ("_orig_mod.", "module._orig_mod.", "_orig_mod.module."):
+        target = nn.Linear(3, 2)
+        state = {prefix + k: v for k, v in inner.state_dict().items()}
+        result = ddpkit.load_model_state(target, state)
+        assert result.missing_keys == [] and torch.equal(target.weight, inner.weight), prefix
+    into_compiled = _compiled(nn.Linear(3, 2))  # plain keys into a compiled model
+    ddpkit.load_model_state(into_compiled, inner.state_dict())
+    assert torch.equal(ddpkit.unwrap_model(into_compiled).weight, inner.weight)
+
+    ckpt = ddpkit.CheckpointManager(tmp_path, _runtime())
+    ckpt.save(3, model=compiled)
+    assert set(load_checkpoint(tmp_path / "step-00000003")["model"]) == {"weight", "bias"}
+    torch.manual_seed(5)
+    resumed = _compiled(nn.Linear(3, 2))
+    assert ckpt.resume(model=resumed) == 3
+    assert torch.equal(ddpkit.unwrap_model(resumed).weight, inner.weight)
+
+
+def test_a_raw_compiled_state_dict_loads_into_a_plain_model():
+    """What torch.save(compiled.state_dict()) wrote: ``_orig_mod.`` keys, loaded strictly."""
+    source = _compiled(nn.Linear(3, 2))
+    target = nn.Linear(3, 2)
+    ddpkit.load_model_state(target, source.state_dict())
+    assert torch.equal(target.bias, ddpkit.unwrap_model(source).bias)
+
+
+def test_tensor_digests_are_exact_and_position_sensitive():
+    from ddpkit.guards.replicas import tensor_digests
+
+    gen = torch.Generator().manual_seed(0)
+    for n in (5, 4096, 10_001):  # the batched small path, one full row, rows plus a tail
+        a = torch.randn(n, generator=gen)
+        swapped, nudged = a.clone(), a.clone()
+        swapped[[1, 3]] = swapped[[3, 1]]
+        nudged[n // 2] = torch.nextafter(nudged[n // 2], torch.tensor(float("inf")))
+        rows = tensor_digests([a, a.clone(), swapped, nudged])
+        assert torch.equal(rows[0], rows[1]), n
+        assert not torch.equal(rows[0], rows[2]) and not torch.equal(rows[0], rows[3]), n
+    nan, zero = torch.tensor([float("nan")]), torch.tensor([0.0])
+    rows = tensor_digests([nan, nan.clone(), zero, -zero, torch.ones(3, dtype=torch.bool)])
+    assert torch.equal(rows[0], rows[1])  # bit patterns: the same NaN is equal to itself
+    assert not torch.equal(rows[2], rows[3])  # and -0.0 is not 0.0
+    assert tensor_digests([]).shape == (0, 3)
