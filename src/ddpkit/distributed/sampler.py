@@ -76,6 +76,15 @@ class ResumableDistributedSampler(DistributedSampler):
         return self.num_samples - self.start_index
 
 
+def _refuse_persistent_workers(loader_kwargs: dict) -> None:
+    if loader_kwargs.get("persistent_workers"):
+        raise ConfigError(
+            "persistent_workers=True with a stream: persistent workers keep the stream "
+            "object of the first pass, so later epochs and resumed passes would not reach "
+            "them. Drop persistent_workers for an IterableDataset."
+        )
+
+
 def _check_batch_size(batch_size: object) -> int:
     if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
         raise ConfigError(
@@ -203,12 +212,7 @@ def _build_local(
         raise ConfigError("empty dataset: len(dataset)=0. Check the data path.")
     generator = torch.Generator()  # reseeded per pass; never the global RNG
     if isinstance(dataset, IterableDataset):
-        if loader_kwargs.get("persistent_workers"):
-            raise ConfigError(
-                "persistent_workers=True with a stream: persistent workers keep the stream "
-                "object of the first pass, so later epochs and resumed passes would not reach "
-                "them. Drop persistent_workers for an IterableDataset."
-            )
+        _refuse_persistent_workers(loader_kwargs)
         stream = ShardedStream(dataset, runtime.rank, runtime.world_size, pad=True,
                                drop_last=drop_last, batch_size=batch_size)  # fmt: skip
         torch_loader = DataLoader(stream, batch_size=batch_size, drop_last=drop_last,
@@ -291,12 +295,7 @@ def build_eval_loader(
             "Evaluation counts every sample exactly once; drop the argument."
         )
     if isinstance(dataset, IterableDataset):
-        if loader_kwargs.get("persistent_workers"):
-            raise ConfigError(
-                "persistent_workers=True with a stream: persistent workers keep the stream "
-                "object of the first pass, so later epochs and resumed passes would not reach "
-                "them. Drop persistent_workers for an IterableDataset."
-            )
+        _refuse_persistent_workers(loader_kwargs)
         stream = ShardedStream(dataset, runtime.rank, runtime.world_size, pad=False,
                                drop_last=False, batch_size=batch_size)  # fmt: skip
         return DataLoader(stream, batch_size=batch_size, **loader_kwargs)
