@@ -23,6 +23,7 @@ from torch.nn.parallel import DataParallel, DistributedDataParallel
 from ddpkit.distributed.process_group import Runtime
 from ddpkit.errors import ConfigError, DistributedError
 from ddpkit.guards.wrapped import WrapGuard, verify_same_parameters
+from ddpkit.log import get_logger
 from ddpkit.parallel.comm import (
     CommStats,
     check_compression,
@@ -116,6 +117,11 @@ def wrap_model(
 
         return wrap_data_parallel(model, runtime, device_ids)
     if strategy == "single":
+        get_logger("parallel").info(
+            "wrap_model: world_size=1, so the module itself is returned (no DDP wrapper, no "
+            ".module); reach its attributes with ddpkit.unwrap_model(model).x, which also "
+            "works under DDP."
+        )
         return model.to(runtime.device)
     if sync_batchnorm:
         from ddpkit.parallel.syncbn import convert_sync_batchnorm
