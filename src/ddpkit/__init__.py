@@ -29,6 +29,7 @@ from ddpkit.distributed.sampler import (
     build_train_loader,
 )
 from ddpkit.errors import ConfigError, DataError, DdpkitError, DistributedError
+from ddpkit.guards.wrapped import WrappedModelError
 from ddpkit.log import configure_logging, get_logger
 from ddpkit.parallel.comm import CommStats
 from ddpkit.parallel.local_sgd import enable_local_sgd
@@ -60,6 +61,7 @@ __all__ = [
     "UnpaddedDistributedSampler",
     "UnusedParameterDiagnosis",
     "UnusedParameterError",
+    "WrappedModelError",
     "all_reduce",
     "all_reduce_sum",
     "barrier",

@@ -144,6 +144,9 @@ def test_batch_of_one_into_batchnorm_is_explained():
          "drop_last=True"),
         ("Expected to have finished reduction in the prior iteration before starting a new one",
          "if parameters were frozen or replaced after wrapping, wrap the model again"),
+        ("Expected to have finished reduction in the prior iteration before starting a new one",
+         "segment whose inputs do not require grad gives its parameters no gradient: pass "
+         "use_reentrant=False"),
     ],
 )  # fmt: skip
 def test_classic_ddp_messages_are_matched(message, expected):

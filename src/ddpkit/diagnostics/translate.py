@@ -55,7 +55,9 @@ _KNOWN: tuple[tuple[str | re.Pattern[str], str], ...] = (
         "branch is skipped on some steps, pass find_unused_parameters=True "
         "(--find-unused-parameters); if an output is returned but not used in the loss, use it "
         "or stop returning it; if parameters were frozen or replaced after wrapping, wrap the "
-        "model again (ddpkit.wrap_model(ddpkit.unwrap_model(model), runtime)).",
+        "model again (ddpkit.wrap_model(ddpkit.unwrap_model(model), runtime)); a "
+        "torch.utils.checkpoint(use_reentrant=True) segment whose inputs do not require grad "
+        "gives its parameters no gradient: pass use_reentrant=False.",
     ),
     (
         "Expected to mark a variable ready only once",

@@ -168,7 +168,11 @@ class WrapGuard:
     """
 
     def __init__(self, ddp_model: nn.Module, runtime: Runtime) -> None:
-        self.ddp_model = ddp_model
+        # Only the wrapper's pre-hook holds the guard, and the guard holds the wrapper weakly:
+        # the parameters' hooks (which the garbage collector does not traverse) must not keep
+        # the wrapper, and through it the process group, alive.
+        self._ddp_model = weakref.ref(ddp_model)
+        self.module = ddp_model.module
         self.prefix = f"[rank {runtime.rank}/{runtime.world_size}] "
         named = list(ddp_model.module.named_parameters())
         self.names = [name for name, _ in named]
@@ -181,26 +185,27 @@ class WrapGuard:
 
     def attach(self) -> WrapGuard:
         """Register the hooks (detaching any earlier guard of the same module); returns self."""
-        module = self.ddp_model.module
+        module = self.module
         ref = _GUARDED.get(module)
         previous = ref() if ref is not None else None
         if previous is not None:
             previous.detach()
         _install_registration_hooks()
-        self._handles.append(self.ddp_model.register_forward_pre_hook(self._before_forward))
+        ddp_model = self._ddp_model()
+        assert ddp_model is not None, "attach() right after building the guard"
+        self._handles.append(ddp_model.register_forward_pre_hook(self._before_forward))
         for index, param in enumerate(self.params):
             if param.requires_grad:  # a frozen one that is unfrozen fails the flag check first
                 hook = param.register_post_accumulate_grad_hook(self._gradient_hook(index))
                 self._handles.append(hook)
         for submodule in module.modules():
             _GUARDED[submodule] = weakref.ref(self)
+        weakref.finalize(self, _remove_handles, self._handles)  # the wrapper is gone: unhook
         return self
 
     def detach(self) -> None:
         """Remove the hooks; the model is no longer guarded."""
-        for handle in self._handles:
-            handle.remove()
-        self._handles.clear()
+        _remove_handles(self._handles)
         for submodule, ref in list(_GUARDED.items()):
             if ref() is self:
                 del _GUARDED[submodule]
@@ -214,7 +219,7 @@ class WrapGuard:
             self.num_forwards += 1
 
     def _check_structure(self) -> None:
-        now = dict(self.ddp_model.module.named_parameters())
+        now = dict(self.module.named_parameters())
         known = {id(param) for param in self.params}
         current = {id(param) for param in now.values()}
         added = [name for name, param in now.items() if id(param) not in known]
@@ -254,10 +259,15 @@ class WrapGuard:
         )
 
     def _gradient_hook(self, index: int) -> Any:
+        guard_ref = weakref.ref(self)  # a dead guard (its wrapper gone) leaves a no-op hook
+
         def hook(param: torch.Tensor) -> None:
-            if self._last_forward[index] == self.num_forwards:
-                self._raise_unsynced(index)
-            self._last_forward[index] = self.num_forwards
+            guard = guard_ref()
+            if guard is None:
+                return
+            if guard._last_forward[index] == guard.num_forwards:
+                guard._raise_unsynced(index)
+            guard._last_forward[index] = guard.num_forwards
 
         return hook
 
@@ -281,6 +291,12 @@ class WrapGuard:
             "wanted); or backward ran twice for one forward: add the losses and call backward "
             "once."
         )
+
+
+def _remove_handles(handles: list[Any]) -> None:
+    for handle in handles:
+        handle.remove()
+    handles.clear()
 
 
 def _in_reentrant_checkpoint() -> bool:
