@@ -55,13 +55,11 @@ def _worker(runtime, rounds: int, steps: int) -> dict[str, dict[str, list[float]
     results: dict[str, dict[str, list[float]]] = {}
     for name, (net, x, y) in _models().items():
         forms = {
-            "raw": DistributedDataParallel(
-                copy.deepcopy(net), process_group=runtime.process_group
-            ),
+            "raw": DistributedDataParallel(copy.deepcopy(net), process_group=runtime.process_group),
             "guarded": ddpkit.wrap_model(net, runtime),
         }
         rates: dict[str, list[float]] = {form: [] for form in forms}
-        for form, model in forms.items():
+        for model in forms.values():  # warm-up
             _steps_per_s(model, x, y, 10)
         for index in range(rounds):
             order = list(forms) if index % 2 == 0 else list(reversed(forms))
@@ -120,9 +118,8 @@ def main() -> int:
     parser.add_argument("--rounds", type=int, default=7)
     parser.add_argument("--steps", type=int, default=100)
     args = parser.parse_args()
-    rank0 = run_distributed(
-        _worker, world_size=2, args=(args.rounds, args.steps), timeout_s=3600
-    )[0]
+    per_rank = run_distributed(_worker, 2, args=(args.rounds, args.steps), timeout_s=3600)
+    rank0 = per_rank[0]
     print(f"torch {torch.__version__}, 2 ranks, gloo, CPU, {torch.get_num_threads()} thread(s)")
     dispatch_us = _dispatch_us_per_parameter()
     print(f"one Python post-accumulate-grad hook, dispatch included: {dispatch_us:.2f} us")

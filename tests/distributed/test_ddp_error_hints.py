@@ -108,6 +108,7 @@ def test_batch_of_one_into_batchnorm_after_sharding_names_drop_last():
     )
     # both fixes the hint gives work
     assert run_distributed(_batchnorm_last_batch, world_size=2, args=("drop_last",)) == [[4]] * 2
-    assert run_distributed(_batchnorm_last_batch, world_size=2, args=("sync_batchnorm",)) == [
-        [4, 1]
-    ] * 2
+    assert (
+        run_distributed(_batchnorm_last_batch, world_size=2, args=("sync_batchnorm",))
+        == [[4, 1]] * 2
+    )

@@ -155,8 +155,10 @@ def test_ranks_with_different_trainable_parameters_fail_at_wrap(same_shapes):
     for rank, message in enumerate(messages):
         assert message.startswith(f"[rank {rank}/3] model differs across ranks at wrap_model: ")
         if same_shapes:
-            assert "rank 1 trains a.weight, a.bias, freezes b.weight, b.bias (compared with " \
-                   "rank 0); rank 2 trains a.weight, a.bias, freezes b.weight, b.bias" in message
+            assert (
+                "rank 1 trains a.weight, a.bias, freezes b.weight, b.bias (compared with "
+                "rank 0); rank 2 trains a.weight, a.bias, freezes b.weight, b.bias" in message
+            )
         else:
             assert "rank 1 freezes a.weight (compared with rank 0)" in message
             assert "rank 2 " not in message.split("] ", 1)[1]

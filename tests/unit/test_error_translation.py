@@ -121,8 +121,10 @@ def test_module_attribute_at_one_process_is_explained(caplog):
     with pytest.raises(AttributeError) as caught:
         model.module.num_classes  # noqa: B018 - the DDP-only spelling, at 1 process
     assert str(caught.value) == "'_Net' object has no attribute 'module'"  # torch's own error
-    assert "at world size 1 it returns the module itself (no DDP wrapper, so no .module). " \
-           "Use ddpkit.unwrap_model(model)" in explain(caught.value)
+    assert (
+        "at world size 1 it returns the module itself (no DDP wrapper, so no .module). "
+        "Use ddpkit.unwrap_model(model)" in explain(caught.value)
+    )
     assert ddpkit.unwrap_model(model).num_classes == 2
 
 

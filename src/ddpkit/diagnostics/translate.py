@@ -15,7 +15,8 @@ import torch
 
 from ddpkit.errors import ConfigError
 
-# (text found in the exception message, or a pattern whose groups fill {0}.., the explanation and fix)
+# (text found in the exception message, or a pattern whose groups fill {0}..; the explanation
+# and fix)
 _KNOWN: tuple[tuple[str | re.Pattern[str], str], ...] = (
     (
         "Default process group has not been initialized",

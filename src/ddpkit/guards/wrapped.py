@@ -85,7 +85,7 @@ def verify_same_parameters(model: nn.Module, runtime: Runtime) -> None:
             ... that rank 0 does not ...``.
 
     Example:
-        >>> verify_same_parameters(model, runtime)  # before DistributedDataParallel(model)  # doctest: +SKIP
+        >>> verify_same_parameters(model, runtime)  # before DDP(model)  # doctest: +SKIP
     """
     if runtime.process_group is None:
         return
@@ -124,11 +124,9 @@ def _compare_ranks(reference: list[Any], other: list[Any], rank: int) -> str:
     return f"rank {rank} {', '.join(parts)} (compared with rank 0)" if parts else ""
 
 
-# id(module) of every module inside a guarded model -> its guard. Torch's registration hooks are
+# Every module inside a guarded model -> its guard (both weakly). Torch's registration hooks are
 # global, so one handle pair serves every guard; they look a module up here and mark the guard.
-_GUARDED: weakref.WeakKeyDictionary[nn.Module, weakref.ref[WrapGuard]] = (
-    weakref.WeakKeyDictionary()
-)
+_GUARDED: weakref.WeakKeyDictionary[nn.Module, weakref.ref[WrapGuard]] = weakref.WeakKeyDictionary()
 _REGISTRATION_HANDLES: list[Any] = []
 
 
