@@ -35,6 +35,7 @@ from ddpkit.distributed.sampler import (
     build_train_loader,
 )
 from ddpkit.errors import ConfigError, DataError, DdpkitError, DistributedError
+from ddpkit.guards.wrapped import WrappedModelError
 from ddpkit.log import configure_logging, get_logger
 from ddpkit.parallel.comm import CommStats
 from ddpkit.parallel.local_sgd import enable_local_sgd
@@ -66,6 +67,7 @@ __all__ = [
     "UnpaddedDistributedSampler",
     "UnusedParameterDiagnosis",
     "UnusedParameterError",
+    "WrappedModelError",
     "all_gather",
     "all_gather_object",
     "all_reduce",

@@ -13,7 +13,7 @@ from torch import nn
 from torch.utils.data import DistributedSampler
 
 import ddpkit
-from ddpkit.diagnostics.translate import check_start_method, explain
+from ddpkit.diagnostics.translate import add_hint_note, check_start_method, explain
 from ddpkit.distributed.env import ProcessInfo
 from ddpkit.testing import run_distributed
 
@@ -103,3 +103,63 @@ def test_fork_after_cuda_init_is_refused(monkeypatch):
     check_start_method("spawn")  # spawn stays safe
     with pytest.raises(ddpkit.ConfigError, match="unknown start method"):
         check_start_method("thread")
+
+
+class _Net(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(2, 2)
+        self.num_classes = 2
+
+
+def test_module_attribute_at_one_process_is_explained(caplog):
+    runtime = ddpkit.init_runtime("gloo", info=ProcessInfo())
+    with caplog.at_level("INFO", logger="ddpkit"):
+        model = ddpkit.wrap_model(_Net(), runtime)
+    assert "world_size=1, so the module itself is returned" in caplog.text
+    assert "ddpkit.unwrap_model(model).x, which also works under DDP" in caplog.text
+    with pytest.raises(AttributeError) as caught:
+        model.module.num_classes  # noqa: B018 - the DDP-only spelling, at 1 process
+    assert str(caught.value) == "'_Net' object has no attribute 'module'"  # torch's own error
+    assert (
+        "at world size 1 it returns the module itself (no DDP wrapper, so no .module). "
+        "Use ddpkit.unwrap_model(model)" in explain(caught.value)
+    )
+    assert ddpkit.unwrap_model(model).num_classes == 2
+
+
+def test_batch_of_one_into_batchnorm_is_explained():
+    with pytest.raises(ValueError) as caught:
+        nn.BatchNorm1d(4)(torch.randn(1, 4))
+    assert explain(caught.value).startswith("a batch of 1 sample reached BatchNorm")
+
+
+@pytest.mark.parametrize(
+    "message, expected",
+    [
+        ("Expected to mark a variable ready only once. This error is caused by ...",
+         "use_reentrant=False, or wrap with static_graph=True"),
+        ("'DistributedDataParallel' object has no attribute 'encode'",
+         "Use ddpkit.unwrap_model(model).encode, which works at every world size"),
+        ("'ResNet' object has no attribute 'module'", "(no DDP wrapper, so no .module)"),
+        ("Expected more than 1 value per channel when training, got input size [1, 4]",
+         "drop_last=True"),
+        ("Expected to have finished reduction in the prior iteration before starting a new one",
+         "if parameters were frozen or replaced after wrapping, wrap the model again"),
+        ("Expected to have finished reduction in the prior iteration before starting a new one",
+         "segment whose inputs do not require grad gives its parameters no gradient: pass "
+         "use_reentrant=False"),
+    ],
+)  # fmt: skip
+def test_classic_ddp_messages_are_matched(message, expected):
+    assert expected in explain(RuntimeError(message))
+
+
+def test_the_hint_note_is_added_once():
+    exc = AttributeError("'DistributedDataParallel' object has no attribute 'x'")
+    add_hint_note(exc)
+    add_hint_note(exc)
+    assert exc.__notes__ == ["ddpkit hint: " + explain(exc)]
+    plain = ValueError("something else")
+    add_hint_note(plain)
+    assert not hasattr(plain, "__notes__")

@@ -9,13 +9,15 @@ and puts it in the launcher's closing summary.
 from __future__ import annotations
 
 import multiprocessing
+import re
 
 import torch
 
 from ddpkit.errors import ConfigError
 
-# (text found in the exception message, the explanation and fix)
-_KNOWN: tuple[tuple[str, str], ...] = (
+# (text found in the exception message, or a pattern whose groups fill {0}..; the explanation
+# and fix)
+_KNOWN: tuple[tuple[str | re.Pattern[str], str], ...] = (
     (
         "Default process group has not been initialized",
         "torch.distributed was used before the process group exists: call "
@@ -53,7 +55,37 @@ _KNOWN: tuple[tuple[str, str], ...] = (
         "some parameters got no gradient in the previous step, so DDP waited for them. If a "
         "branch is skipped on some steps, pass find_unused_parameters=True "
         "(--find-unused-parameters); if an output is returned but not used in the loss, use it "
-        "or stop returning it.",
+        "or stop returning it; if parameters were frozen or replaced after wrapping, wrap the "
+        "model again (ddpkit.wrap_model(ddpkit.unwrap_model(model), runtime)); a "
+        "torch.utils.checkpoint(use_reentrant=True) segment whose inputs do not require grad "
+        "gives its parameters no gradient: pass use_reentrant=False.",
+    ),
+    (
+        "Expected to mark a variable ready only once",
+        "DDP got a parameter's gradient twice in one backward. The usual cause is activation "
+        "checkpointing with use_reentrant=True (torch.utils.checkpoint's old default): pass "
+        "use_reentrant=False, or wrap with static_graph=True if the graph is the same every "
+        "step. Another: a parameter used outside the wrapper's forward (model.module.f(x)) in "
+        "the same loss: move that call into forward.",
+    ),
+    (
+        re.compile(r"'DistributedDataParallel' object has no attribute '(\w+)'"),
+        "DDP wraps your model: its own attributes and methods live on the module inside. Use "
+        "ddpkit.unwrap_model(model).{0}, which works at every world size (at 1 process "
+        "ddpkit.wrap_model returns the module itself, so model.{0} only fails once scaled out).",
+    ),
+    (
+        "object has no attribute 'module'",
+        "if this is the model from ddpkit.wrap_model: at world size 1 it returns the module "
+        "itself (no DDP wrapper, so no .module). Use ddpkit.unwrap_model(model), which works at "
+        "every world size.",
+    ),
+    (
+        "Expected more than 1 value per channel when training",
+        "a batch of 1 sample reached BatchNorm in training mode: after sharding, a rank's last "
+        "batch can hold a single sample even when the whole dataset's does not. Pass "
+        "drop_last=True to ddpkit.build_train_loader (or your DataLoader), or use SyncBatchNorm "
+        "(ddpkit.wrap_model(..., sync_batchnorm=True)) so statistics span every rank's samples.",
     ),
 )
 
@@ -72,10 +104,28 @@ def explain(exc: BaseException) -> str | None:
         seen.add(id(exc))
         text = str(exc)
         for needle, explanation in _KNOWN:
-            if needle in text:
+            if isinstance(needle, str) and needle in text:
                 return explanation
+            match = needle.search(text) if isinstance(needle, re.Pattern) else None
+            if match:
+                return explanation.format(*match.groups())
         exc = exc.__cause__ or exc.__context__
     return None
+
+
+HINT_PREFIX = "ddpkit hint: "
+
+
+def add_hint_note(exc: BaseException) -> None:
+    """Attach :func:`explain`'s line to ``exc`` as a note (shown under its traceback), once.
+
+    :class:`~ddpkit.Runtime` does this for an exception leaving its ``with`` block, so the hint
+    appears under plain ``torchrun`` too, not only in ``ddpkit run``'s summary.
+    """
+    hint = explain(exc)
+    notes = getattr(exc, "__notes__", [])
+    if hint and not any(note.startswith(HINT_PREFIX) for note in notes):
+        exc.add_note(HINT_PREFIX + hint)
 
 
 def check_start_method(start_method: str) -> None:

@@ -168,9 +168,11 @@ class Runtime:
 
     def __exit__(self, exc_type: object, exc: BaseException | None, tb: object) -> None:
         if exc is not None:  # before the teardown that makes the peers fail
+            from ddpkit.diagnostics.translate import add_hint_note
             from ddpkit.launch.failures import stamp_failure_time
 
             stamp_failure_time(exc)
+            add_hint_note(exc)  # the fix under the traceback, under torchrun too
         self.close()
 
 

@@ -97,7 +97,7 @@ def _record_failure(exc: BaseException, show_traceback: bool) -> None:
     if show_traceback:
         prefix = f"[rank {record.rank}/{record.world_size}]"
         lines = record.traceback.rstrip("\n").splitlines() or [f"{record.type}: {record.message}"]
-        if record.hint:
+        if record.hint and record.hint not in record.traceback:  # not already a note in it
             lines.append(f"ddpkit hint: {record.hint}")
         print("\n".join(f"{prefix} {line}" for line in lines), file=sys.stderr, flush=True)
 

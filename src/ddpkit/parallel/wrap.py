@@ -23,6 +23,8 @@ from torch.nn.parallel import DataParallel, DistributedDataParallel
 
 from ddpkit.distributed.process_group import Runtime
 from ddpkit.errors import ConfigError, DistributedError
+from ddpkit.guards.wrapped import WrapGuard, verify_same_parameters
+from ddpkit.log import get_logger
 from ddpkit.parallel.comm import (
     CommStats,
     check_compression,
@@ -83,6 +85,16 @@ def wrap_model(
     Collective (for ``ddp``): call on every rank; DDP broadcasts rank 0's parameters and buffers,
     so all replicas start identical.
 
+    Guarded by default (``ddp``, see :mod:`ddpkit.guards.wrapped`): the ranks' trainable
+    parameters are compared first, and from then on a parameter frozen, unfrozen or assigned
+    after wrapping, or a backward that bypassed the wrapper's forward (``model.module(x)``),
+    raises :class:`~ddpkit.guards.wrapped.WrappedModelError` at the next step. To change the
+    model, wrap again: ``wrap_model(unwrap_model(model), runtime)``.
+
+    At world size 1 (``auto`` -> ``single``) the module itself is returned, without a DDP
+    wrapper: reach its own attributes through :func:`unwrap_model` (``unwrap_model(model).x``),
+    which works at every world size, never ``model.x`` or ``model.module.x``.
+
     Args:
         model: an unwrapped ``nn.Module``.
         runtime: the job's :class:`Runtime`.
@@ -108,6 +120,7 @@ def wrap_model(
             options for ``single``/``dp``; ``dp`` without 2+ CUDA devices or with several
             processes.
         DistributedError: ``ddp`` asked for without a process group (world size 1).
+        WrappedModelError: (``ddp``) the ranks' models differ in their trainable parameters.
 
     Example:
         >>> stats = CommStats()
@@ -129,12 +142,18 @@ def wrap_model(
 
         return wrap_data_parallel(model, runtime, device_ids)
     if strategy == "single":
+        get_logger("parallel").info(
+            "wrap_model: world_size=1, so the module itself is returned (no DDP wrapper, no "
+            ".module); reach its attributes with ddpkit.unwrap_model(model).x, which also "
+            "works under DDP."
+        )
         return model.to(runtime.device)
     if sync_batchnorm:
         from ddpkit.parallel.syncbn import convert_sync_batchnorm
 
         model = convert_sync_batchnorm(model, runtime)
     model = model.to(runtime.device)
+    verify_same_parameters(model, runtime)
     if grad_compression == "powersgd":
         ddp_kwargs = powersgd_bucket_cap_mb(model, runtime, ddp_kwargs)
     device_ids = [runtime.device.index] if runtime.device.type == "cuda" else None
@@ -145,6 +164,7 @@ def wrap_model(
         register_grad_hook(
             ddp_model, runtime, grad_compression, comm_stats, powersgd_rank, powersgd_start_step
         )
+    WrapGuard(ddp_model, runtime).attach()
     return ddp_model
 
 
