@@ -233,4 +233,4 @@ def _gather_padded(
     gathered = [torch.empty_like(padded) for _ in sizes]
     with runtime.watch("all_gather"):
         dist.all_gather(gathered, padded, group=runtime.process_group)
-    return [g[:n].to(device) for g, n in zip(gathered, sizes)]
+    return [g[:n].to(device) for g, n in zip(gathered, sizes, strict=True)]
