@@ -48,7 +48,9 @@ def _passes(runtime, num_workers: int, num_passes: int = 2) -> list[list[tuple]]
     for _ in range(num_passes):
         rows = []
         for index, worker, draws in loader:
-            rows += [(int(i), int(w), *d.tolist()) for i, w, d in zip(index, worker, draws, strict=False)]
+            rows += [
+                (int(i), int(w), *d.tolist()) for i, w, d in zip(index, worker, draws, strict=True)
+            ]
         passes.append(rows)
     return passes
 

@@ -39,9 +39,7 @@ def test_all_gather_returns_every_ranks_tensor_at_its_own_size(world_size):
         assert [t.item() for t in result["scalar"]] == [r * 1.5 for r in range(world_size)]
         assert [t.shape for t in result["scalar"]] == [torch.Size([])] * world_size
         assert [t.shape for t in result["empty"]] == [torch.Size([0, 4])] * world_size
-        assert result["objects"] == [
-            {"rank": r, "ids": list(range(r))} for r in range(world_size)
-        ]
+        assert result["objects"] == [{"rank": r, "ids": list(range(r))} for r in range(world_size)]
 
 
 def _mismatched(runtime) -> None:

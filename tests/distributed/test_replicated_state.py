@@ -138,9 +138,7 @@ def test_replica_check_accepts_sync_batchnorm_without_buffer_broadcast():
 
 @pytest.mark.parametrize("world_size", [2, 3])
 def test_replica_check_names_unsynced_buffers_and_the_fix(world_size):
-    results = run_distributed(
-        _replica_check_rank, world_size, args=({"broadcast_buffers": False},)
-    )
+    results = run_distributed(_replica_check_rank, world_size, args=({"broadcast_buffers": False},))
     for outcomes in results:
         assert len(outcomes) == NUM_STEPS and "ok" not in outcomes
         first = outcomes[0]

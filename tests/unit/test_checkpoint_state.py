@@ -91,7 +91,9 @@ def test_stateful_objects_round_trip_and_missing_state_is_an_error(tmp_path):
     assert ckpt.resume(model=fresh, stateful={"ema": fresh_ema, "swa": fresh_swa}) == 4
     for name, tensor in ema.shadow.items():
         assert torch.equal(fresh_ema.shadow[name], tensor)
-    for (name, a), b in zip(ema_module.state_dict().items(), fresh_swa.state_dict().values(), strict=False):
+    for (name, a), b in zip(
+        ema_module.state_dict().items(), fresh_swa.state_dict().values(), strict=True
+    ):
         assert torch.equal(a, b), name
     with pytest.raises(DataError, match=r"has no state for stateful\['other'\]"):
         ckpt.resume(model=fresh, stateful={"other": _Ema(fresh)})

@@ -51,9 +51,7 @@ def strip_wrapper_prefixes(
     the target's own keys do not, so a model with a submodule really named ``module`` loads too.
     """
     while state:
-        prefix = next(
-            (p for p in WRAPPER_PREFIXES if all(k.startswith(p) for k in state)), None
-        )
+        prefix = next((p for p in WRAPPER_PREFIXES if all(k.startswith(p) for k in state)), None)
         if prefix is None or (target_keys and all(k.startswith(prefix) for k in target_keys)):
             return state
         copy: dict[str, Any] = OrderedDict(state)

@@ -257,8 +257,7 @@ def _agree_across_ranks(
     for rank, row in enumerate(table):
         if row["problem"] is not None:
             raise ConfigError(
-                f"build_train_loader failed on rank {rank}/{runtime.world_size}: "
-                f"{row['problem']}"
+                f"build_train_loader failed on rank {rank}/{runtime.world_size}: {row['problem']}"
             )
     keys = _MUST_AGREE + (("num_workers",) if stream else ())
     differ = [key for key in keys if len({repr(row[key]) for row in table}) > 1]
