@@ -112,3 +112,16 @@ def test_resume_with_other_settings_is_refused_before_launch(tmp_path, capsys):
     assert "world_size 2 (this job: 3)" in err and "batch_size 64 (this job: 32)" in err
     assert (out / "summary.json").exists()  # nothing of the earlier run was removed
     assert torch.load(out / "checkpoints" / "step-00000008" / "state.pt")["step"] == 8
+
+
+def test_version_names_ddpkit_and_torch(capsys):
+    import torch
+
+    import ddpkit
+    from ddpkit.cli import main
+
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--version"])
+    assert exit_info.value.code == 0
+    out = capsys.readouterr().out.strip()
+    assert out == f"ddpkit {ddpkit.__version__} with torch {torch.__version__}"

@@ -17,6 +17,19 @@ class OneLineParser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: error: {message}. See '{self.prog} --help'.\n")
 
 
+def _version() -> str:
+    """``ddpkit X with torch Y`` (torch's version without importing it: the metadata)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    import ddpkit
+
+    try:
+        torch_version = version("torch")
+    except PackageNotFoundError:
+        torch_version = "not installed"
+    return f"ddpkit {ddpkit.__version__} with torch {torch_version}"
+
+
 def build_parser() -> argparse.ArgumentParser:
     from ddpkit.cli import bench as bench_cmd
     from ddpkit.cli import doctor as doctor_cmd
@@ -28,6 +41,7 @@ def build_parser() -> argparse.ArgumentParser:
         prog="ddpkit",
         description="PyTorch distributed data-parallel training, correct by default.",
     )
+    parser.add_argument("--version", action="version", version=_version())
     subparsers = parser.add_subparsers(dest="command", required=True, parser_class=OneLineParser)
     for module in (train_cmd, run_cmd, doctor_cmd, bench_cmd, plot_cmd):
         module.add_parser(subparsers)
