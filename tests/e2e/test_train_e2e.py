@@ -101,8 +101,11 @@ def test_train_offline_without_files_uses_digits(tmp_path):
 
 def test_killed_rank_restarts_and_resumes_to_the_same_parameters(tmp_path):
     common = ["--epochs", "2", "--checkpoint-every", "4"]  # 12 steps per epoch, 24 in all
-    plain = _train_digits(*common, "--output-dir", str(tmp_path / "plain"))
+    # --resume auto with nothing to resume says so and starts at step 0
+    plain = _train_digits(*common, "--resume", "auto", "--output-dir", str(tmp_path / "plain"))
     assert plain.returncode == 0, plain.output
+    assert "--resume auto: no complete checkpoint in " in plain.output
+    assert "starting from step 0" in plain.output
     # rank 1 is SIGKILLed at step 10 in the first attempt; the restart resumes from step 8
     faulty = _train_digits(
         *common,

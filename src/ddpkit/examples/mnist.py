@@ -330,6 +330,10 @@ def train_mnist(config: TrainConfig, runtime: Runtime, source: DataSource) -> di
     if config.resume:
         path = None if config.resume == "auto" else config.resume
         step = ckpt.resume(**state, path=path, extra=settings)
+        if path is None and step == 0:
+            get_logger("train").info(
+                "--resume auto: no complete checkpoint in %s, starting from step 0", ckpt.directory
+            )
     reset_outputs(output_dir, runtime, train_loader.epoch if step else None, step)
     timer = StepTimer(runtime, enabled=config.step_timing)
     monitor = TrainingMonitor(
