@@ -131,8 +131,10 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         type=float,
         default=300.0,
         metavar="SECONDS",
-        help="watchdog: a collective waiting longer than this ends the job with a report naming "
-        "the late ranks and their Python stacks (default 300; 0 = off)",
+        help="watchdog: a rank waiting in a collective longer than this while another rank "
+        "runs other code ends the job with a report naming the busy rank and its Python stack "
+        "(default 300; 0 = off). Deadlocks (ranks in collectives that cannot match) are "
+        "reported after 5 s either way",
     )
     parser.add_argument(
         "--max-steps",

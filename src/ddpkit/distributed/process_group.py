@@ -86,7 +86,8 @@ class Runtime:
         train_timeout_s: limit for one collective, in seconds.
         debug_collectives: compare shapes and dtypes across ranks before each ddpkit collective
             (see :mod:`ddpkit.distributed.collectives`; also ``DDPKIT_DEBUG_COLLECTIVES=1``).
-        watchdog: the stall detector (:mod:`ddpkit.diagnostics.watchdog`), or ``None`` (off).
+        watchdog: the deadlock and stall detector (:mod:`ddpkit.diagnostics.watchdog`), or
+            ``None`` (off, or a single process).
     """
 
     info: ProcessInfo
@@ -115,18 +116,20 @@ class Runtime:
         return self.info.is_rank_zero
 
     @contextlib.contextmanager
-    def watch(self, op: str) -> Iterator[None]:
-        """Run one collective the ranks must all reach: marked for the watchdog, and a peer
-        that stops answering turned into an error that says what this rank last knew of it.
+    def watch(self, op: str, *, stall_check: bool = True) -> Iterator[None]:
+        """Run one collective the ranks must all reach, turning a peer that stops answering
+        into an error that says what this rank last knew of it.
 
-        Wrap every such call, e.g. ``with runtime.watch("backward"): loss.backward()`` around
-        DDP's gradient all-reduce.
+        The watchdog needs no marker (it reads the training thread's stack); ``op`` only names
+        the block in its reports. ``stall_check=False`` declares a wait that may outlast the
+        stall timeout (see :meth:`main_process_first`).
 
         Raises:
             DistributedError: the collective failed because a peer stopped answering (gloo's
                 timeout or a closed connection); the message names the ranks not heard from.
         """
-        with self.watchdog.watch(op) if self.watchdog is not None else _NULL_CONTEXT:
+        watched = self.watchdog.watch(op, stall_check=stall_check) if self.watchdog else None
+        with watched or _NULL_CONTEXT:
             try:
                 yield
             except RuntimeError as exc:
@@ -134,13 +137,43 @@ class Runtime:
                     raise
                 raise self._lost_peer_error(op, exc) from exc
 
+    @contextlib.contextmanager
+    def main_process_first(self, *, local: bool = False) -> Iterator[None]:
+        """Run the body on rank 0 first, then on the other ranks (downloads, caches, datasets).
+
+        Rank 0 (with ``local=True``: local rank 0 of each node, for a cache on each node's own
+        disk) runs the body while the others wait at a barrier; then the others run it, e.g.
+        finding the files rank 0 downloaded. The wait is declared to the watchdog: however long
+        rank 0 takes, no stall report (the process group's ``train_timeout_s`` still bounds it).
+        A collective inside the body deadlocks (the others are in the barrier) and is reported.
+
+        Collective: call on every rank. At world size 1 it just runs the body.
+
+        Raises:
+            DistributedError: a peer stopped answering during the barrier.
+
+        Example:
+            >>> with rt.main_process_first():          # doctest: +SKIP
+            ...     train_set = torchvision.datasets.MNIST("data", download=True)
+        """
+        first = self.local_rank == 0 if local else self.rank == 0
+        if not first:
+            self._main_process_barrier()
+        yield  # a body that raises on rank 0 ends its process: the others' barrier then fails
+        if first:
+            self._main_process_barrier()
+
+    def _main_process_barrier(self) -> None:
+        if self.process_group is not None:
+            with self.watch("main_process_first barrier", stall_check=False):
+                dist.barrier(group=self.process_group)
+
     def _lost_peer_error(self, op: str, exc: RuntimeError) -> DistributedError:
         detail = str(exc).strip().splitlines()[0].split("] ", 1)[-1]  # drop gloo's [file:line]
         known = (
             self.watchdog.lost_contact()
             if self.watchdog is not None
-            else "turn on the watchdog (stall_timeout_s, ddpkit train --stall-timeout) to learn "
-            "which rank went silent"
+            else "turn the watchdog on (init_runtime's defaults) to learn which rank went silent"
         )
         return DistributedError(
             f"{op} failed on rank {self.rank}/{self.world_size}: a peer stopped answering "
@@ -170,6 +203,8 @@ class Runtime:
         if exc is not None:  # before the teardown that makes the peers fail
             from ddpkit.launch.failures import stamp_failure_time
 
+            if self.watchdog is not None:  # a report ends this process: not a second cause
+                self.watchdog.wait_if_ending()
             stamp_failure_time(exc)
         self.close()
 
@@ -194,6 +229,19 @@ def _check_timeouts(**timeouts_s: float | None) -> None:
         raise ConfigError(f"invalid timeout: {'; '.join(problems)}. Pass e.g. 300.")
 
 
+def _watchdog_timeout(name: str, value: float | None, example: float) -> float | None:
+    """``None`` for off (``0`` or ``None``), else the value, checked."""
+    if value is None or (value == 0 and not isinstance(value, bool)):
+        return None
+    _check_timeouts(**{name: value})
+    if value < MIN_STALL_TIMEOUT_S:
+        raise ConfigError(
+            f"invalid timeout: {name}={value!r} is under two watchdog heartbeats. Pass at "
+            f"least {MIN_STALL_TIMEOUT_S:g} seconds, e.g. {example}, or 0 for off."
+        )
+    return float(value)
+
+
 def _attempt_store(info: ProcessInfo, timeout_s: float) -> dist.Store:
     """A client of torchrun's store, with keys isolated per restart attempt.
 
@@ -216,7 +264,9 @@ def init_runtime(
     train_timeout_s: float = 1800.0,
     info: ProcessInfo | None = None,
     store: dist.Store | None = None,
-    stall_timeout_s: float | None = None,
+    stall_timeout_s: float | None = 300.0,
+    *,
+    deadlock_timeout_s: float | None = 5.0,
 ) -> Runtime:
     """Join the job: create the process groups and pick this rank's device.
 
@@ -232,9 +282,14 @@ def init_runtime(
         info: the process coordinates; read from the environment when omitted.
         store: a rendezvous store to use instead of ``MASTER_ADDR``/``MASTER_PORT`` (e.g. a
             ``torch.distributed.FileStore`` shared by the ranks, as ddpkit's test harness does).
-        stall_timeout_s: start the watchdog (:mod:`ddpkit.diagnostics.watchdog`): a watched
-            collective waiting longer than this many seconds ends the job with a report naming
-            the late ranks and their stacks. ``None`` (default) leaves it off.
+        stall_timeout_s: the watchdog (:mod:`ddpkit.diagnostics.watchdog`, on by default)
+            ends the job with a report when a rank has waited in a collective this many seconds
+            while another rank runs other code: it names the busy rank and shows its stack.
+            ``0`` or ``None``: no stall reports.
+        deadlock_timeout_s: the watchdog ends the job with a report naming each rank's
+            collective and source line once every rank has been stuck this many seconds in
+            collectives that cannot match (different operation, group or count). ``0`` or
+            ``None``: no deadlock reports. Both off: no watchdog thread.
 
     Returns:
         A :class:`Runtime`; close it (or use ``with``) to destroy the groups.
@@ -254,13 +309,8 @@ def init_runtime(
         ...     print(rt.rank, rt.world_size, rt.device)
     """
     _check_timeouts(init_timeout_s=init_timeout_s, train_timeout_s=train_timeout_s)
-    if stall_timeout_s is not None:
-        _check_timeouts(stall_timeout_s=stall_timeout_s)
-        if stall_timeout_s < MIN_STALL_TIMEOUT_S:
-            raise ConfigError(
-                f"invalid timeout: stall_timeout_s={stall_timeout_s!r} is under two watchdog "
-                f"heartbeats. Pass at least {MIN_STALL_TIMEOUT_S:g} seconds, e.g. 300."
-            )
+    stall_timeout_s = _watchdog_timeout("stall_timeout_s", stall_timeout_s, 300)
+    deadlock_timeout_s = _watchdog_timeout("deadlock_timeout_s", deadlock_timeout_s, 5)
     info = info or detect_process_info()
     check_world_size_limit(info)
     chosen = resolve_backend(backend, info)
@@ -296,8 +346,18 @@ def init_runtime(
     try:
         group = dist.new_group(timeout=datetime.timedelta(seconds=train_timeout_s))
         watchdog = None
-        if stall_timeout_s is not None:
-            watchdog = Watchdog(store, info, stall_timeout_s).start()
+        if stall_timeout_s is not None or deadlock_timeout_s is not None:
+            watchdog = Watchdog(
+                store,
+                info,
+                stall_timeout_s,
+                deadlock_timeout_s=deadlock_timeout_s,
+                groups=(group,),
+                group_labels={
+                    dist.group.WORLD.group_name: "the default group",
+                    group.group_name: "ddpkit's training group",
+                },
+            ).start()
     except BaseException:
         dist.destroy_process_group()
         raise
