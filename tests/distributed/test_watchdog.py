@@ -92,7 +92,9 @@ def test_a_raw_collective_inside_a_user_block_is_seen(tmp_path):
     out = result.output
     assert result.returncode == 1, out
     # rank 0 waits in torch's own all_reduce (no marker of ddpkit's): named, with its line
-    assert re.search(r"stall: rank 0 waited \d+ s in all_reduce at \S*nested.py:14; late rank\(s\): 1", out), out
+    assert re.search(
+        r"stall: rank 0 waited \d+ s in all_reduce at \S*nested.py:14; late rank\(s\): 1", out
+    ), out
     assert re.search(r"rank 1: busy, running \S*nested.py:[67] \(in spin_forever\)", out), out
     assert "in spin_forever" in out.split("stack of rank 1's training thread:")[1]
 
@@ -168,9 +170,12 @@ def _assert_names_the_ddp_fault(out: str) -> None:
     assert "deadlock: the ranks wait in collectives that cannot match" in out, out
     assert re.search(
         r"rank 0: all_reduce on the default group \(ranks 0, 1\), its collective #\d+, "
-        r"float32 \(1,\), called at ddp_fault.py:10", out
+        r"float32 \(1,\), called at ddp_fault.py:10",
+        out,
     ), out
-    assert "rank 1: backward(), waiting for DDP's gradient all-reduce, called at ddp_fault.py:7" in out
+    assert (
+        "rank 1: backward(), waiting for DDP's gradient all-reduce, called at ddp_fault.py:7" in out
+    )
     assert "`if rank == 0:`" in out  # the usual cause, named
     assert "unreachable" not in out and "Connection closed by peer" not in out  # no echo
 
@@ -237,7 +242,8 @@ def test_ddpkit_barrier_on_one_rank_only_is_a_named_deadlock(tmp_path):
     alone, every = _line_of(_one_rank_barrier, "ONLY"), _line_of(_one_rank_barrier, "EVERY")
     assert re.search(
         rf"rank 0: barrier on ddpkit's training group \(ranks 0-2\), its collective #\d+, "
-        rf"in ddpkit's barrier\(\), called at {here}:{alone}", report
+        rf"in ddpkit's barrier\(\), called at {here}:{alone}",
+        report,
     ), report
     for rank in (1, 2):
         assert re.search(
@@ -301,7 +307,9 @@ def test_a_busy_rank_past_the_stall_threshold_is_named_with_the_fix(tmp_path):
     first = read_records(tmp_path)[0]
     assert first.type == "StallError", first
     busy = _line_of(_rank0_sleeps_then_barrier, "RANK 0 BUSY")
-    assert re.search(r"stall: rank 1 waited \d s in barrier at .*; late rank\(s\): 0", first.message)
+    assert re.search(
+        r"stall: rank 1 waited \d s in barrier at .*; late rank\(s\): 0", first.message
+    )
     assert f"rank 0: busy, running tests/distributed/test_watchdog.py:{busy}" in first.message
     assert "`with rt.main_process_first():`" in first.message and "--stall-timeout" in first.message
 

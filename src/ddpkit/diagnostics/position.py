@@ -141,6 +141,23 @@ def _collective(frame: FrameType, state: str) -> Position:
     )
 
 
+def collective_in_traceback(exc: BaseException) -> str:
+    """``"all_reduce of float32 (8,) at train.py:13"`` when ``exc`` was raised inside a
+    torch.distributed function (its innermost one), else ``""``."""
+    tb, frame = exc.__traceback__, None
+    while tb is not None:
+        code = tb.tb_frame.f_code
+        if code.co_filename == _C10D and not code.co_name.startswith("_"):
+            frame = tb.tb_frame
+        tb = tb.tb_next
+    if frame is None:
+        return ""
+    local = frame.f_locals
+    tensor = describe_tensor(next((local[k] for k in _TENSOR_ARGS if k in local), None))
+    of = f" of {tensor}" if tensor else ""
+    return f"{frame.f_code.co_name}{of} at {user_site(frame) or '?'}"
+
+
 def sequence_number(group: Any) -> int | None:
     """How many collectives ``group`` has issued on this rank, or ``None``.
 

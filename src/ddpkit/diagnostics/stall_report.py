@@ -141,12 +141,13 @@ def stall_report(
     world_size: int,
     mine: Position,
     waited_s: float,
-    peers: dict[int, tuple[Position | None, bool]],
+    peers: dict[int, tuple[Position | None, float | None]],
     group_labels: dict[str, str] | None = None,
 ) -> StallReport:
     """The report of ``rank`` having waited ``waited_s`` in ``mine``.
 
-    ``peers``: rank -> (its last position or ``None`` if never heard, whether it is silent).
+    ``peers``: rank -> (its last position or ``None`` if never heard, seconds it has been
+    silent or ``None`` if it is not).
     Late ranks are the ones not blocked in this same collective: running, elsewhere, silent.
     """
     lines = [f"rank {rank}: {describe(mine, group_labels)} (waiting {waited_s:.0f} s)"]
@@ -155,10 +156,10 @@ def stall_report(
         position, silent = peers[peer]
         if position is None:
             lines.append(f"rank {peer}: no heartbeat yet (not started, or without the watchdog)")
-        elif silent:
+        elif silent is not None:
             lines.append(
-                f"rank {peer}: silent (dead, unreachable, or blocked while holding the GIL); "
-                f"last seen {describe(position, group_labels)}"
+                f"rank {peer}: silent for {silent:.0f} s (dead, unreachable, or blocked while "
+                f"holding the GIL); last seen {describe(position, group_labels)}"
             )
         elif position.key == mine.key:
             lines.append(f"rank {peer}: waiting in the same collective")
@@ -178,7 +179,9 @@ def stall_report(
             f"{mine.site or '?'}; late rank(s): {names}"
         ),
         ranks=lines,
-        advice=STALL_ADVICE if late else (
+        advice=STALL_ADVICE
+        if late
+        else (
             "Every rank is inside this collective and it does not finish: the network or the "
             "backend is stuck; see the stacks."
         ),

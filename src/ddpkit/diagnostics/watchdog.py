@@ -139,6 +139,7 @@ class Watchdog:
         self._beats: dict[int, dict] = {}  # rank -> its latest heartbeat
         self._heard_at: dict[int, float] = {}  # rank -> local monotonic time of its last new beat
         self._store_ok_at = time.monotonic()
+        self._host = socket.gethostname()
         self._stop = threading.Event()
         self._ending = threading.Event()  # this thread is about to end the process
         self._thread = threading.Thread(target=self._run, name="ddpkit-watchdog", daemon=True)
@@ -193,8 +194,14 @@ class Watchdog:
         position = self._sample(now)
         still_s = now - self._since
         label = self._labels[-1][0] if self._labels else ""
-        beat = {**position.to_json(), "still_s": round(still_s, 1), "label": label,
-                "time_s": time.time(), "pid": os.getpid(), "host": socket.gethostname()}  # fmt: skip
+        beat = {
+            **position.to_json(),
+            "still_s": round(still_s, 1),
+            "label": label,
+            "time_s": time.time(),
+            "pid": os.getpid(),
+            "host": self._host,
+        }
         self._store.set(f"beat/{self.info.rank}", json.dumps(beat))
         self._store_ok_at = now
         self._serve_requests()
@@ -236,9 +243,10 @@ class Watchdog:
             self._store.set(f"stack/{self.info.rank}", main_thread_stack(self._thread_id))
         if request.startswith("abort\n"):
             self._fired = True
+            self._ending.set()
             headline = request.split("\n", 1)[1]
             kind = DeadlockError if headline.startswith("deadlock") else StallError
-            self._store.set(f"stopped/{self.info.rank}", "1")
+            self._leave_in_order()
             self._exit(kind(f"stopped by another rank's watchdog: {headline}"))
 
     def _read_beats(self) -> None:
@@ -294,7 +302,7 @@ class Watchdog:
             if rank != self.info.rank:
                 beat, age = self._beats.get(rank), self.silent_s(rank)
                 position = Position.from_json(beat) if beat else None
-                peers[rank] = (position, age is not None and age > silent_after_s)
+                peers[rank] = (position, age if age is not None and age > silent_after_s else None)
         report = stall_report(
             self.info.rank, self.info.world_size, mine, still_s, peers, self.group_labels
         )
@@ -367,12 +375,25 @@ class Watchdog:
         error = (DeadlockError if report.kind == "deadlock" else StallError)(report.text())
         self._record(error)
         self._store.set("request", f"abort\n{report.headline}")
-        # rank 0 may host the store: wait until the others have read the abort (or a few beats)
-        others = [f"stopped/{r}" for r in range(self.info.world_size) if r != self.info.rank]
-        deadline = time.monotonic() + 3 * self.interval_s
-        while time.monotonic() < deadline and not self._store.check(others):
-            time.sleep(0.05)
+        self._leave_in_order()
         self._exit(error, recorded=True)
+
+    def _leave_in_order(self) -> None:
+        """End together: every rank waits until all have read the abort (so no training thread
+        sees a peer vanish first and reports that as a second error); rank 0, which hosts the
+        store under ``ddpkit run`` and ``make_store``, leaves last. Each wait is bounded."""
+        ranks = range(self.info.world_size)
+        self._store.set(f"stopped/{self.info.rank}", "1")
+        if self.info.rank == 0:
+            self._wait_for([f"leaving/{r}" for r in ranks if r != 0])
+        else:
+            self._wait_for([f"stopped/{r}" for r in ranks])
+            self._store.set(f"leaving/{self.info.rank}", "1")
+
+    def _wait_for(self, keys: list[str]) -> None:
+        deadline = time.monotonic() + 3 * self.interval_s
+        while time.monotonic() < deadline and not self._store.check(keys):
+            time.sleep(0.02)
 
     def _record(self, error: StallError) -> None:
         from ddpkit.launch.failures import RUN_DIR_ENV, make_record, write_record

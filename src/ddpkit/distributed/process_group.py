@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import faulthandler
 import os
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -175,6 +176,17 @@ class Runtime:
             if self.watchdog is not None
             else "turn the watchdog on (init_runtime's defaults) to learn which rank went silent"
         )
+        if any(marker in detail for marker in _PEER_ENDED):
+            from ddpkit.diagnostics.position import collective_in_traceback
+
+            mine = collective_in_traceback(exc) or op
+            return DistributedError(
+                f"{op} failed on rank {self.rank}/{self.world_size}: a peer's process ended "
+                f"during it ({detail}). It raised, crashed or was aborted: when gloo aborts a "
+                "rank with 'Is there a distributed collective mismatch in your code?', the ranks "
+                f"called different collectives or passed different sizes (this rank: {mine}). "
+                "The first failure in the other ranks' output is the cause."
+            )
         return DistributedError(
             f"{op} failed on rank {self.rank}/{self.world_size}: a peer stopped answering "
             f"({detail}). {known[0].upper()}{known[1:]}. A peer died or hung, or the network "
@@ -217,6 +229,7 @@ _LOST_PEER = (
     "Connection reset by peer",
     "Broken pipe",
 )
+_PEER_ENDED = ("Connection closed by peer", "Connection reset by peer")  # its socket closed
 
 
 def _check_timeouts(**timeouts_s: float | None) -> None:
@@ -329,6 +342,8 @@ def init_runtime(
             "Start with torchrun/ddpkit run, or export rank 0's MASTER_ADDR and MASTER_PORT."
         )
     token = load_token()
+    if not faulthandler.is_enabled():  # a native abort (gloo's, NCCL's) still shows the stack
+        faulthandler.enable(all_threads=True)
     if chosen == "nccl":
         torch.cuda.set_device(device)
     if store is None:
