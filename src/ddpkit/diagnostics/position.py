@@ -58,7 +58,8 @@ class Position:
         ranks: the group's global ranks; empty if unknown (DDP's group inside backward).
         seq: the group's sequence number (collectives issued so far, this one included), or
             ``None`` where torch does not give it.
-        site: ``file:line`` of the user's code that called it (running: the current line).
+        site: ``file:line`` of the user's code that called it (running: the innermost line of
+            the user's code, ``op`` naming the function actually running).
         via: the ddpkit function in between (``"evaluate"``), or ``""``.
         tensor: ``"float32 (4,)"`` for a collective's tensor, else ``""``.
         outer_op: the torch.distributed function the user called when it differs from ``op``
@@ -113,7 +114,7 @@ def locate(frame: FrameType | None, *, idle: bool) -> Position:
             return Position(WAITING, code.co_name, site=user_site(frame), via=_via(frame))
     elif code.co_filename == _AUTOGRAD and code.co_name == "_engine_run_backward" and idle:
         return Position(BACKWARD, "backward", site=user_site(frame), via=_via(frame))
-    return Position(RUNNING, code.co_name, site=f"{_short(code.co_filename)}:{frame.f_lineno}")
+    return Position(RUNNING, code.co_name, site=user_site(frame))
 
 
 def _collective(frame: FrameType, state: str) -> Position:
@@ -194,9 +195,9 @@ def user_site(frame: FrameType | None) -> str:
     while frame is not None:
         filename = frame.f_code.co_filename
         if not _is_library(filename):
-            return f"{_short(filename)}:{frame.f_lineno}"
+            return f"{short_path(filename)}:{frame.f_lineno}"
         if not fallback and not filename.startswith((_TORCH_DIR, _STDLIB_DIR, "<frozen")):
-            fallback = f"{_short(filename)}:{frame.f_lineno}"
+            fallback = f"{short_path(filename)}:{frame.f_lineno}"
         frame = frame.f_back
     return fallback
 
@@ -224,7 +225,7 @@ def _outermost_torch_distributed(frame: FrameType) -> str:
     return name
 
 
-def _short(filename: str) -> str:
+def short_path(filename: str) -> str:
     """A path relative to the working folder when inside it, else as it is."""
     try:
         relative = os.path.relpath(filename)

@@ -15,6 +15,7 @@ import signal
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from ddpkit.diagnostics.position import short_path
 from ddpkit.launch.failures import FailureRecord
 
 if TYPE_CHECKING:
@@ -66,7 +67,7 @@ def read_native_crash(tail: str) -> NativeCrash:
         op = inner["func"]
         outer = frames[frames.index(inner) + 1 :]
         user = next((f for f in outer if not any(s in f["file"] for s in _LIBRARY)), None)
-        site = f"{user['file'].rsplit('/', 1)[-1]}:{user['line']}" if user else "?"
+        site = f"{short_path(user['file'])}:{user['line']}" if user else "?"
         break
     return NativeCrash(received, expected, op, site)
 
