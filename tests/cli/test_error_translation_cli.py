@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import textwrap
 
 import pytest
@@ -60,3 +61,32 @@ def test_hint_is_printed_once_per_rank_under_ddpkit_run(tmp_path):
     for rank in (0, 1):
         assert result.output.count(f"[rank {rank}/2] ddpkit hint: ") <= 1, result.output
     assert result.output.count("] ddpkit hint: ") >= 1, result.output
+
+
+SIZE_MISMATCH = """
+import torch, ddpkit
+
+with ddpkit.init_runtime() as rt:
+    ddpkit.all_reduce(torch.ones(4 if rt.rank == 0 else 8), rt)
+"""
+
+
+def test_gloo_collective_mismatch_is_named_not_blamed_on_the_network(tmp_path):
+    # plain torch: gloo's terminate message on one rank, "Connection reset by peer" on the
+    # other, torchrun's "SIGABRT" root cause; ddpkit said "a peer stopped answering ... the
+    # network between nodes went down" and "died from signal SIGABRT without a Python exception"
+    script = tmp_path / "mismatch.py"
+    script.write_text(textwrap.dedent(SIZE_MISMATCH))
+    result = run_cli(["-m", "ddpkit", "run", "-n", "2", str(script)], timeout_s=120)
+    out = result.output
+    assert result.returncode == 1, out
+    summary = [line for line in out.splitlines() if line.startswith("ddpkit run:")]
+    assert summary[0].startswith("ddpkit run: first failure: rank "), out
+    assert "aborted (SIGABRT): gloo found a collective mismatch: it received " in summary[0]
+    assert summary[0].endswith(f" in all_reduce called at {script}:5."), out
+    hint = next(line for line in summary if line.startswith("ddpkit run: hint:"))
+    assert "the ranks' collectives do not match: rank " in hint
+    assert re.search(rf"rank [01] all_reduce of float32 \([48],\) at {script}:5", hint), hint
+    assert "network" not in "\n".join(summary) and "without a Python exception" not in out
+    assert summary[-1].endswith("a restart would fail the same way.")
+    assert "a peer's process ended during it" in out  # the surviving rank's own error

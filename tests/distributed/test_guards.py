@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 from torch import nn
@@ -9,6 +11,7 @@ from torch.nn import functional as F
 
 import ddpkit
 from ddpkit.guards.nonfinite import NonFiniteGuard, check_replicas
+from ddpkit.launch.failures import read_records
 from ddpkit.testing import DistributedTestError, run_distributed
 
 
@@ -104,3 +107,21 @@ def _matched_all_reduce(runtime):
 
 def test_collective_shape_check_passes_matching_tensors():
     assert run_distributed(_matched_all_reduce, 3) == [[[6.0] * 3] * 2] * 3
+
+
+def _checked_against_a_raw_all_reduce(runtime):
+    if runtime.rank == 0:
+        ddpkit.all_reduce(torch.ones(4), runtime)  # shape-checked first (debug switch)
+    else:  # a raw torch call, or DDP's bucket all-reduce: nothing to compare shapes with
+        torch.distributed.all_reduce(torch.ones(8), group=runtime.process_group)
+
+
+def test_debug_switch_never_turns_a_fast_failure_into_a_hang(tmp_path):
+    # without the switch gloo aborts this at once ("collective mismatch"); with it, the shape
+    # check's own collective must fail as fast, not wait for a partner that never comes
+    env = {"DDPKIT_DEBUG_COLLECTIVES": "1", "DDPKIT_RUN_DIR": str(tmp_path)}
+    start = time.monotonic()
+    with pytest.raises(DistributedTestError):
+        run_distributed(_checked_against_a_raw_all_reduce, 2, env=env, timeout_s=60)
+    assert time.monotonic() - start < 5.0  # below the watchdog's deadlock timeout
+    assert "DeadlockError" not in {record.type for record in read_records(tmp_path)}

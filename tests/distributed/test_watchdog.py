@@ -9,6 +9,7 @@ import textwrap
 import time
 
 import pytest
+import torch
 
 import ddpkit
 from ddpkit.distributed.env import ProcessInfo
@@ -85,14 +86,18 @@ with ddpkit.init_runtime("gloo", train_timeout_s=600, stall_timeout_s=2) as rt:
 
 
 @pytest.mark.slow
-def test_nested_watch_keeps_the_outer_block_watched(tmp_path):
+def test_a_raw_collective_inside_a_user_block_is_seen(tmp_path):
     script = tmp_path / "nested.py"
     script.write_text(textwrap.dedent(NESTED_SCRIPT))
     result = run_cli(["-m", "ddpkit", "run", "-n", "2", str(script)], timeout_s=120)
-    assert result.returncode == 1, result.output
-    # both ranks are inside the block: the report (from whichever rank made it) shows the stacks
-    assert re.search(r"stall: rank \d waited \d+ s in train step", result.output), result.output
-    assert "in spin_forever" in result.output.split("stack of rank 1's training thread:")[1]
+    out = result.output
+    assert result.returncode == 1, out
+    # rank 0 waits in torch's own all_reduce (no marker of ddpkit's): named, with its line
+    assert re.search(
+        r"stall: rank 0 waited \d+ s in all_reduce at \S*nested.py:14; late rank\(s\): 1", out
+    ), out
+    assert re.search(r"rank 1: busy, running \S*nested.py:[67] \(in spin_forever\)", out), out
+    assert "in spin_forever" in out.split("stack of rank 1's training thread:")[1]
 
 
 @pytest.mark.slow
@@ -104,9 +109,10 @@ def test_stuck_rank_is_named_with_its_stack(tmp_path):
     elapsed_s = time.monotonic() - start
     out = result.output
     assert result.returncode == 1, out
-    headline = r"stall: rank 0 waited \d+ s in all_reduce \(collective #2\); late rank\(s\): 1\n"
+    headline = r"stall: rank 0 waited \d+ s in all_reduce at \S*stuck.py:12; late rank\(s\): 1\n"
     assert re.search(headline, out), out
-    assert "rank 1: has not arrived: after collective #1 (all_reduce)" in out
+    assert re.search(r"rank 1: busy, running \S*stuck.py:[56] \(in spin_forever\)", out), out
+    assert "rt.main_process_first()" in out  # the fix for a legitimately busy rank
     stack_of_1 = out.split("stack of rank 1's training thread:")[1]
     assert "in spin_forever" in stack_of_1.split("stack of rank")[0]
     assert "in all_reduce" in out.split("stack of rank 0's training thread:")[1]
@@ -115,19 +121,201 @@ def test_stuck_rank_is_named_with_its_stack(tmp_path):
     assert elapsed_s < 100  # far below the 600 s collective timeout
 
 
-def test_watchdog_costs_nothing_when_off():
+def test_no_watchdog_thread_in_a_single_process():
     info = ProcessInfo()
     with ddpkit.init_runtime("gloo", info=info) as rt:
         assert rt.watchdog is None
-        with rt.watch("all_reduce"):
+        with rt.watch("all_reduce"), rt.main_process_first():
             pass
 
 
-@pytest.mark.parametrize("bad", [0, -1.0, float("nan"), 1.5])  # 1.5: under two heartbeats
-def test_bad_stall_timeout_is_refused(bad):
-    with pytest.raises(ddpkit.ConfigError, match="stall_timeout_s"):
-        ddpkit.init_runtime("gloo", info=ProcessInfo(), stall_timeout_s=bad)
+@pytest.mark.parametrize("bad", [-1.0, float("nan"), 1.5])  # 1.5: under two heartbeats
+@pytest.mark.parametrize("name", ["stall_timeout_s", "deadlock_timeout_s"])
+def test_bad_watchdog_timeout_is_refused(name, bad):
+    with pytest.raises(ddpkit.ConfigError, match=name):
+        ddpkit.init_runtime("gloo", info=ProcessInfo(), **{name: bad})
 
 
 if sys.platform != "linux":  # pragma: no cover
     pytest.skip("Linux only", allow_module_level=True)
+
+
+# --- deadlocks: found with init_runtime's defaults, no marker -----------------------------------
+
+DDP_FAULT_SCRIPT = """
+import time, torch, torch.distributed as dist, ddpkit
+
+with ddpkit.init_runtime() as rt:
+    model = ddpkit.wrap_model(torch.nn.Linear(4, 4), rt)
+    for step in range(4):
+        model(torch.randn(2, 4)).sum().backward()
+        if rt.rank == 0 and step == 2:
+            print(f"FAULT_AT {time.time()}", flush=True)
+            dist.all_reduce(torch.ones(1))
+print("unreachable")
+"""
+
+
+def _run_fault(tmp_path, launcher: list[str]) -> tuple[str, float]:
+    """Run DDP_FAULT_SCRIPT; return its output and the seconds from the fault to the end."""
+    script = tmp_path / "ddp_fault.py"
+    script.write_text(textwrap.dedent(DDP_FAULT_SCRIPT))
+    result = run_cli([*launcher, str(script)], timeout_s=120, cwd=str(tmp_path))
+    ended_at = time.time()
+    out = result.output
+    assert result.returncode == 1, out
+    fault_at = float(re.search(r"FAULT_AT ([\d.]+)", out).group(1))
+    return out, ended_at - fault_at
+
+
+def _assert_names_the_ddp_fault(out: str) -> None:
+    assert "deadlock: the ranks wait in collectives that cannot match" in out, out
+    assert re.search(
+        r"rank 0: all_reduce on the default group \(ranks 0, 1\), its collective #\d+, "
+        r"float32 \(1,\), called at ddp_fault.py:10",
+        out,
+    ), out
+    assert (
+        "rank 1: backward(), waiting for DDP's gradient all-reduce, called at ddp_fault.py:7" in out
+    )
+    assert "`if rank == 0:`" in out  # the usual cause, named
+    assert "unreachable" not in out and "Connection closed by peer" not in out  # no echo
+
+
+def test_rank0_only_torch_all_reduce_in_a_ddp_loop_is_a_named_deadlock(tmp_path):
+    # plain torch: DDP and the user's all_reduce share the default group, gloo aborts (~4 s);
+    # ddpkit: DDP runs on the training group, the two never meet -- hung until the 30 min
+    # collective timeout before the watchdog saw unmarked collectives.
+    out, took_s = _run_fault(tmp_path, ["-m", "ddpkit", "run", "-n", "2"])
+    _assert_names_the_ddp_fault(out)
+    # whichever rank saw it first reports; the summary leads with that report
+    assert re.search(r"ddpkit run: first failure: rank [01]/2 .*DeadlockError: deadlock", out), out
+    assert took_s < 30, f"{took_s:.1f} s from the fault to the end"
+
+
+def test_the_same_deadlock_under_plain_torchrun(tmp_path):
+    # torchrun's own agent store (a TCPStore), no ddpkit launcher, no run directory
+    launcher = ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
+    out, took_s = _run_fault(tmp_path, launcher)
+    _assert_names_the_ddp_fault(out)
+    assert took_s < 30, f"{took_s:.1f} s from the fault to the end"
+
+
+def _line_of(fn, marker: str) -> int:
+    import inspect
+
+    lines, first = inspect.getsourcelines(fn)
+    return first + next(i for i, line in enumerate(lines) if marker in line)
+
+
+def _one_rank_barrier(rt):
+    if rt.rank == 0:
+        ddpkit.barrier(rt)  # ONLY RANK 0
+    ddpkit.all_reduce_sum([1.0], rt)  # EVERY RANK
+
+
+def _one_rank_evaluate(rt):
+    model = ddpkit.wrap_model(torch.nn.Linear(3, 2), rt)
+    data = torch.utils.data.TensorDataset(torch.randn(8, 3), torch.zeros(8, dtype=torch.long))
+    loader = ddpkit.build_eval_loader(data, rt, batch_size=4)
+    if rt.rank == 0:
+        ddpkit.evaluate(model, loader, rt)  # ONLY RANK 0
+    ddpkit.barrier(rt)  # EVERY RANK
+
+
+def _report_of(tmp_path, fn, world_size: int) -> str:
+    """Run ``fn`` under the harness (init_runtime's defaults) and return the watchdog's report,
+    which it records in DDPKIT_RUN_DIR before ending the ranks."""
+    from ddpkit.launch.failures import read_records
+    from ddpkit.testing import DistributedTestError
+
+    start = time.monotonic()
+    with pytest.raises(DistributedTestError, match="died with exit code 1"):
+        run_distributed(fn, world_size, env={"DDPKIT_RUN_DIR": str(tmp_path)}, timeout_s=60)
+    assert time.monotonic() - start < 30
+    first = read_records(tmp_path)[0]
+    assert first.type == "DeadlockError", first
+    return first.message
+
+
+def test_ddpkit_barrier_on_one_rank_only_is_a_named_deadlock(tmp_path):
+    report = _report_of(tmp_path, _one_rank_barrier, world_size=3)
+    here = "tests/distributed/test_watchdog.py"
+    alone, every = _line_of(_one_rank_barrier, "ONLY"), _line_of(_one_rank_barrier, "EVERY")
+    assert re.search(
+        rf"rank 0: barrier on ddpkit's training group \(ranks 0-2\), its collective #\d+, "
+        rf"in ddpkit's barrier\(\), called at {here}:{alone}",
+        report,
+    ), report
+    for rank in (1, 2):
+        assert re.search(
+            rf"rank {rank}: all_reduce on ddpkit's training group \(ranks 0-2\), its collective "
+            rf"#\d+, float64 \(1,\), in ddpkit's all_reduce_sum\(\), called at {here}:{every}",
+            report,
+        ), report
+
+
+def test_ddpkit_evaluate_on_one_rank_only_is_a_named_deadlock(tmp_path):
+    report = _report_of(tmp_path, _one_rank_evaluate, world_size=2)
+    here = "tests/distributed/test_watchdog.py"
+    alone, every = _line_of(_one_rank_evaluate, "ONLY"), _line_of(_one_rank_evaluate, "EVERY")
+    assert re.search(rf"rank 0: all_reduce .*in ddpkit's evaluate\(\), called at {here}:{alone}",
+                     report), report  # fmt: skip
+    assert re.search(rf"rank 1: barrier .*in ddpkit's barrier\(\), called at {here}:{every}",
+                     report), report  # fmt: skip
+
+
+# --- no false alarm; a busy rank past the stall threshold ---------------------------------------
+
+
+def _rank0_sleeps_then_barrier(rt, sleep_s):
+    if rt.rank == 0:
+        time.sleep(sleep_s)  # RANK 0 BUSY (a download, say): not in any collective
+    start = time.monotonic()
+    ddpkit.barrier(rt)
+    return round(time.monotonic() - start, 1)
+
+
+def test_rank0_working_while_the_others_wait_at_a_barrier_is_no_deadlock():
+    # init_runtime's defaults: deadlock_timeout_s=5, stall_timeout_s=300; the others wait 7 s.
+    waited = run_distributed(_rank0_sleeps_then_barrier, 3, args=(7.0,), timeout_s=60)
+    assert min(waited[1:]) >= 6.0, waited
+
+
+def _sleep_under_thresholds(store, sleep_s, stall_timeout_s, use_main_process_first):
+    with ddpkit.init_runtime("gloo", 30, 30, store=store, stall_timeout_s=stall_timeout_s,
+                             deadlock_timeout_s=2) as rt:  # fmt: skip
+        if use_main_process_first:
+            with rt.main_process_first():
+                if rt.rank == 0:
+                    time.sleep(sleep_s)
+                return time.time()
+        return _rank0_sleeps_then_barrier(rt, sleep_s)
+
+
+def test_below_the_stall_threshold_is_no_alarm():
+    # the default ratio (25 s of work against 300 s), scaled: 1 s against 12 s
+    waited = run_distributed(_sleep_under_thresholds, 2, args=(1.0, 12, False), init=False)
+    assert waited[1] >= 0.5
+
+
+def test_a_busy_rank_past_the_stall_threshold_is_named_with_the_fix(tmp_path):
+    from ddpkit.launch.failures import read_records
+    from ddpkit.testing import DistributedTestError
+
+    env = {"DDPKIT_RUN_DIR": str(tmp_path)}
+    with pytest.raises(DistributedTestError):
+        run_distributed(_sleep_under_thresholds, 2, args=(30.0, 3, False), init=False, env=env)
+    first = read_records(tmp_path)[0]
+    assert first.type == "StallError", first
+    busy = _line_of(_rank0_sleeps_then_barrier, "RANK 0 BUSY")
+    assert re.search(
+        r"stall: rank 1 waited \d s in barrier at .*; late rank\(s\): 0", first.message
+    )
+    assert f"rank 0: busy, running tests/distributed/test_watchdog.py:{busy}" in first.message
+    assert "`with rt.main_process_first():`" in first.message and "--stall-timeout" in first.message
+
+
+def test_main_process_first_lets_rank0_work_past_the_stall_threshold():
+    done = run_distributed(_sleep_under_thresholds, 3, args=(5.0, 2, True), init=False)
+    assert done[0] + 0.0 <= min(done[1:]), done  # rank 0 finished its body before the others

@@ -131,8 +131,10 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         type=float,
         default=300.0,
         metavar="SECONDS",
-        help="watchdog: a collective waiting longer than this ends the job with a report naming "
-        "the late ranks and their Python stacks (default 300; 0 = off)",
+        help="watchdog: a rank waiting in a collective longer than this while another rank "
+        "runs other code ends the job with a report naming the busy rank and its Python stack; "
+        "ranks stuck in collectives that cannot match end it after 5 s (default 300; 0 = "
+        "watchdog off)",
     )
     parser.add_argument(
         "--max-steps",
@@ -242,9 +244,13 @@ def _train_here(args: argparse.Namespace, config: TrainConfig, source: DataSourc
     from ddpkit.distributed.process_group import init_runtime
     from ddpkit.log import configure_logging, get_logger
 
-    stall_timeout_s = args.stall_timeout or None  # 0 = off
+    on = bool(args.stall_timeout)  # 0 = the watchdog off: no stall and no deadlock reports
     with init_runtime(
-        args.backend, args.init_timeout, args.train_timeout, stall_timeout_s=stall_timeout_s
+        args.backend,
+        args.init_timeout,
+        args.train_timeout,
+        stall_timeout_s=args.stall_timeout if on else None,
+        deadlock_timeout_s=5.0 if on else None,
     ) as runtime:
         configure_logging(runtime.info)
         if source.note and not args._worker:

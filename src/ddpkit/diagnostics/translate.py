@@ -51,6 +51,18 @@ _KNOWN: tuple[tuple[str | re.Pattern[str], str], ...] = (
         "and --backend gloo (or 'auto').",
     ),
     (
+        "Connection reset by peer",
+        "a peer's process ended during this collective: it raised, crashed or was aborted. "
+        "When gloo aborts a rank with 'Is there a distributed collective mismatch in your "
+        "code?', the ranks called different collectives or passed tensors of different sizes "
+        "there. The first failure in the other ranks' output is the cause.",
+    ),
+    (
+        "Connection closed by peer",
+        "a peer's process ended during this collective: it raised, crashed or was aborted. "
+        "The first failure in the other ranks' output is the cause.",
+    ),
+    (
         "Expected to have finished reduction in the prior iteration",
         "some parameters got no gradient in the previous step, so DDP waited for them. If a "
         "branch is skipped on some steps, pass find_unused_parameters=True "

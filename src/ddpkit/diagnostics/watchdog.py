@@ -1,24 +1,29 @@
-"""Watchdog: turn a collective that waits too long into a report that names the late rank.
+"""Watchdog: turn a hang into a report that names each rank's collective and source line.
 
-Each rank runs one background thread. The training thread marks the collectives it enters with
-:meth:`Watchdog.watch` (ddpkit's collectives, barriers and the DDP backward do this through
-:meth:`ddpkit.Runtime.watch`): a counter and a name, kept in memory, nothing sent. Every
-``interval_s`` the thread publishes a heartbeat through the rendezvous store: ``(collective
-number, name, inside or not, wall time)``. When this rank has waited inside one collective
-longer than ``stall_timeout_s``, its thread
+Each rank runs one background thread, on by default (:func:`ddpkit.init_runtime`). Every
+``interval_s`` it samples the training thread's Python stack and classifies it
+(:func:`ddpkit.diagnostics.position.locate`): blocked in a torch.distributed collective (which
+operation, group, sequence number, tensor, and the user's ``file:line``), in ``backward()``
+waiting for DDP's gradient all-reduce, or running other code. No markers are needed: torch's own
+collectives on any group, DDP's and ddpkit's are all seen. The position goes into the rank's
+heartbeat in the rendezvous store. Then, while this rank is blocked:
 
-1. reads every rank's heartbeat and sorts them: waiting in the same collective, *not arrived*
-   (still before it), in a different collective, or silent (no heartbeat: dead, or blocked
-   while holding the GIL);
-2. asks every rank for the Python stack of its training thread and waits briefly for them;
-3. hands the report to ``on_stall``. The default prints it with a ``[rank r/N]`` prefix,
-   records it for ``ddpkit run``'s summary, tells the other ranks to stop (they exit after a
-   short grace), and ends the process with exit status 1 -- rather than waiting out the
-   collective timeout. The training thread is blocked inside the collective, where Python
-   cannot raise, so ending the process is the only way out.
+- **deadlock**: every rank is blocked and no collective has all of its group's ranks in it
+  (:func:`ddpkit.diagnostics.stall_report.find_deadlock`) -- the ranks called different
+  operations, groups or numbers of collectives, so none can ever finish. Once every rank has
+  stayed put for ``deadlock_timeout_s`` (default 5 s) this is reported and the job ends;
+- **stall**: this rank has waited in one place longer than ``stall_timeout_s`` (default 300 s)
+  while some rank is busy elsewhere (rank 0 downloading?). That may be legitimate, hence the long
+  threshold; the report shows the busy rank's stack and the fix (``rt.main_process_first()``, or
+  a higher threshold).
 
-Cost when nothing is wrong: two attribute writes per collective in the training thread, and
-one store write plus two key checks per ``interval_s`` in the background thread.
+A report asks every rank for its Python stack, is printed with a ``[rank r/N]`` prefix and
+recorded for ``ddpkit run``'s summary; then every rank exits with status 1. The training thread
+is blocked inside the collective, where Python cannot raise, so ending the process is the only
+way out.
+
+Cost when nothing is wrong, per ``interval_s``: one stack walk of a few dozen frames and one
+small store write; the peers' heartbeats are read only while this rank stays blocked.
 """
 
 from __future__ import annotations
@@ -30,61 +35,38 @@ import sys
 import threading
 import time
 import traceback
+import weakref
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from typing import Any
 
 import torch.distributed as dist
 
+from ddpkit.diagnostics.position import Position, locate, sequence_number
+from ddpkit.diagnostics.stall_report import (
+    StallReport,
+    deadlock_report,
+    find_deadlock,
+    stall_report,
+)
 from ddpkit.distributed.env import ProcessInfo
 from ddpkit.errors import ConfigError, DistributedError
 from ddpkit.log import get_logger
 
+__all__ = ["DeadlockError", "StallError", "StallReport", "Watchdog", "main_thread_stack"]
+
 PREFIX = "ddpkit/watchdog"
 MAX_STACK_FRAMES = 12
+IDLE_CPU_FRACTION = 0.1  # the process used under 10% of one core: idle
+READ_BEATS_EVERY = 10  # ticks; more often while this rank stays blocked
 
 
 class StallError(DistributedError):
-    """A collective waited past the stall timeout (the watchdog's report is the message)."""
+    """A rank waited past the stall timeout (the watchdog's report is the message)."""
 
 
-@dataclass
-class StallReport:
-    """What the watchdog found.
-
-    Attributes:
-        rank: the rank that detected the stall.
-        op: the collective it waits in, and ``seq`` its number (1 = the first watched one).
-        waited_s: how long it had waited, in seconds.
-        late_ranks: ranks that have not arrived at collective ``seq`` (or are silent).
-        peers: one line per other rank saying where it is.
-        stacks: rank -> the Python stack of its training thread (missing when it did not answer).
-    """
-
-    rank: int
-    world_size: int
-    op: str
-    seq: int
-    waited_s: float
-    late_ranks: list[int] = field(default_factory=list)
-    peers: list[str] = field(default_factory=list)
-    stacks: dict[int, str] = field(default_factory=dict)
-
-    @property
-    def headline(self) -> str:
-        late = ", ".join(map(str, self.late_ranks)) or "none found"
-        return (
-            f"stall: rank {self.rank} waited {self.waited_s:.0f} s in {self.op} (collective "
-            f"#{self.seq}); late rank(s): {late}"
-        )
-
-    def text(self) -> str:
-        lines = [self.headline, *(f"  {line}" for line in self.peers)]
-        for rank in range(self.world_size):
-            stack = self.stacks.get(rank)
-            lines.append(f"  --- stack of rank {rank}'s training thread:")
-            lines += [f"    {line}" for line in (stack or "(no answer)\n").rstrip().splitlines()]
-        return "\n".join(lines)
+class DeadlockError(StallError):
+    """The ranks wait in collectives that can never match (the report is the message)."""
 
 
 def main_thread_stack(thread_id: int) -> str:
@@ -99,50 +81,67 @@ def main_thread_stack(thread_id: int) -> str:
 
 
 class Watchdog:
-    """Per-rank stall detector; see the module docstring.
+    """Per-rank deadlock and stall detector; see the module docstring.
 
     Args:
-        store: the job's rendezvous store (shared by all ranks).
+        store: the job's rendezvous store (shared by all ranks: a ``TCPStore`` or ``FileStore``).
         info: this process's rank and world size.
-        stall_timeout_s: report a collective that waits longer than this, in seconds.
+        stall_timeout_s: report a rank that waits this long while another is busy, in seconds;
+            ``None``: never.
+        deadlock_timeout_s: report a deadlock once every rank has been stuck in it this long,
+            in seconds; ``None``: never.
         interval_s: heartbeat period, in seconds; a rank counts as silent after ``2 *
             interval_s + 1`` seconds without a new one.
         on_stall: called (in the watchdog thread) with the :class:`StallReport`; the default
             prints it, records it and ends the process (exit status 1).
+        groups: process groups whose sequence numbers count as progress (e.g. the training
+            group; the default group always counts). Held by weak reference.
+        group_labels: group name -> how reports call it (``"the default group"``).
 
     Raises:
-        ConfigError: ``interval_s`` not positive, or ``stall_timeout_s`` below two intervals.
+        ConfigError: ``interval_s`` not positive, or a timeout below two intervals.
     """
 
     def __init__(
         self,
         store: dist.Store,
         info: ProcessInfo,
-        stall_timeout_s: float,
+        stall_timeout_s: float | None = 300.0,
+        *,
+        deadlock_timeout_s: float | None = 5.0,
         interval_s: float = 1.0,
         on_stall: Callable[[StallReport], None] | None = None,
+        groups: tuple[Any, ...] = (),
+        group_labels: dict[str, str] | None = None,
     ) -> None:
-        if not interval_s > 0 or not stall_timeout_s >= 2 * interval_s:
+        timeouts = [t for t in (stall_timeout_s, deadlock_timeout_s) if t is not None]
+        if not interval_s > 0 or not all(t >= 2 * interval_s for t in timeouts):
             raise ConfigError(
                 f"invalid watchdog timing: stall_timeout_s={stall_timeout_s!r}, "
-                f"interval_s={interval_s!r}. The stall timeout must be at least two heartbeat "
-                "intervals, e.g. 300 and 1."
+                f"deadlock_timeout_s={deadlock_timeout_s!r}, interval_s={interval_s!r}. Each "
+                "timeout must be at least two heartbeat intervals, e.g. 300, 5 and 1."
             )
         self.info = info
-        self.stall_timeout_s = float(stall_timeout_s)
+        self.stall_timeout_s = stall_timeout_s
+        self.deadlock_timeout_s = deadlock_timeout_s
         self.interval_s = float(interval_s)
         self.on_stall = on_stall or self._report_and_exit
+        self.group_labels = dict(group_labels or {})
+        self._groups = [weakref.ref(g) for g in groups if g is not None]
         self._store = dist.PrefixStore(PREFIX, store)
         self._thread_id = threading.get_ident()
-        self._seq = 0  # watched collectives entered so far
-        self._current: tuple[int, str, float | None] = (0, "", None)  # seq, op, entered (mono)
+        self._labels: list[tuple[str, bool]] = []  # rt.watch blocks: (name, stall check on)
+        self._signature: tuple | None = None
+        self._since = time.monotonic()  # when the training thread reached its current place
+        self._cpu_at, self._wall_at = time.process_time(), time.monotonic()
+        self._ticks = 0
         self._answered_dump = self._fired = False
-        self._checked_seq = 0  # the last collective diagnosed without a late rank
-        self._abort_seen_at: float | None = None
         self._beats: dict[int, dict] = {}  # rank -> its latest heartbeat
         self._heard_at: dict[int, float] = {}  # rank -> local monotonic time of its last new beat
         self._store_ok_at = time.monotonic()
+        self._host = socket.gethostname()
         self._stop = threading.Event()
+        self._ending = threading.Event()  # this thread is about to end the process
         self._thread = threading.Thread(target=self._run, name="ddpkit-watchdog", daemon=True)
 
     def start(self) -> Watchdog:
@@ -150,28 +149,33 @@ class Watchdog:
         return self
 
     def close(self) -> None:
-        """Stop the background thread (idempotent). Not a collective."""
+        """Stop the background thread (idempotent, returns within ~1 s). Not a collective."""
         self._stop.set()
         if self._thread.is_alive() and threading.get_ident() != self._thread.ident:
-            self._thread.join(timeout=self.interval_s + 5)
+            self._thread.join(timeout=1.0)  # a daemon: never keeps the process alive anyway
+
+    def wait_if_ending(self, limit_s: float = 10.0) -> None:
+        """Block while this watchdog ends the process after a report (it will, within seconds).
+
+        The collective a report ends fails on the training thread as soon as the first rank
+        exits ("Connection closed by peer"); :meth:`ddpkit.Runtime.__exit__` calls this so that
+        consequence is not printed and recorded as if it were the cause.
+        """
+        if self._ending.is_set():
+            time.sleep(limit_s)
 
     @contextmanager
-    def watch(self, op: str) -> Iterator[None]:
-        """Mark the enclosed code as collective number N named ``op``.
+    def watch(self, op: str, *, stall_check: bool = True) -> Iterator[None]:
+        """Name the enclosed code in reports (not needed for detection).
 
-        Every rank must enter the same watched collectives in the same order (as collectives
-        require anyway); the numbering is how ranks are compared.
+        ``stall_check=False`` declares a wait that may legitimately outlast the stall timeout
+        (``Runtime.main_process_first``): no stall report there; deadlocks are still reported.
         """
-        self._seq += 1
-        outer = self._current
-        self._current = (self._seq, op, time.monotonic())
+        self._labels.append((op, stall_check))
         try:
             yield
         finally:
-            # Back in an enclosing watched block, its wait starts again now (the inner call
-            # was progress); the number stays the newest, so ranks still compare in order.
-            restart = time.monotonic() if outer[2] is not None else None
-            self._current = (self._seq, outer[1] if restart else op, restart)
+            self._labels.pop()
 
     # --- background thread --------------------------------------------------------------------
     def _run(self) -> None:
@@ -186,56 +190,64 @@ class Watchdog:
                     return
 
     def _tick(self) -> None:
-        seq, op, entered = self._current
+        now = time.monotonic()
+        position = self._sample(now)
+        still_s = now - self._since
+        label = self._labels[-1][0] if self._labels else ""
         beat = {
-            "seq": seq,
-            "op": op,
-            "inside": entered is not None,
+            **position.to_json(),
+            "still_s": round(still_s, 1),
+            "label": label,
             "time_s": time.time(),
             "pid": os.getpid(),
-            "host": socket.gethostname(),
+            "host": self._host,
         }
         self._store.set(f"beat/{self.info.rank}", json.dumps(beat))
-        self._read_beats()
-        self._store_ok_at = time.monotonic()
-        if not self._answered_dump and self._store.check(["dump"]):
+        self._store_ok_at = now
+        self._serve_requests()
+        self._ticks += 1
+        if self._fired or self._stop.is_set():
+            return
+        stays = position.blocked and still_s >= self.interval_s
+        if stays or self._ticks % READ_BEATS_EVERY == 0:
+            self._read_beats()
+        if stays and not self._check_deadlock(position, still_s):
+            self._check_stall(position, still_s)
+
+    def _sample(self, now: float) -> Position:
+        """Where the training thread is now; restarts the clock when it moved or progressed."""
+        cpu = time.process_time()
+        idle = cpu - self._cpu_at < IDLE_CPU_FRACTION * (now - self._wall_at)
+        self._cpu_at, self._wall_at = cpu, now
+        position = locate(sys._current_frames().get(self._thread_id), idle=idle)
+        signature = (position.key, position.site, self._progress())
+        if signature != self._signature:
+            self._signature, self._since = signature, now
+        return position
+
+    def _progress(self) -> tuple:
+        """The sequence numbers of the watched groups: they move with every collective (DDP's
+        bucket all-reduces included), so a rank that waits again and again is not stuck."""
+        if not dist.is_initialized():
+            return ()
+        groups = [dist.group.WORLD, *(ref() for ref in self._groups)]
+        return tuple(sequence_number(g) for g in groups if g is not None)
+
+    def _serve_requests(self) -> None:
+        """Answer a stack request; follow another rank's report (exit after a short grace)."""
+        if not self._store.check(["request"]):
+            return
+        request = self._store.get("request").decode()
+        if not self._answered_dump:
             self._answered_dump = True
             self._store.set(f"stack/{self.info.rank}", main_thread_stack(self._thread_id))
-        if self._store.check(["abort"]) and not self._fired:
-            self._follow_abort()
-        if entered is not None and not self._fired and seq != self._checked_seq:
-            waited = time.monotonic() - entered
-            if waited > self.stall_timeout_s:
-                self._handle_stall(self._diagnose(seq, op, waited))
-
-    def _handle_stall(self, report: StallReport) -> None:
-        """Fail with the report, unless the wait ended while it was being made (a slow
-        collective: warned once), or another rank already reports (it tells us to stop).
-
-        With no late rank by position (every rank inside the same block, e.g. one spinning in
-        Python inside a watched block) it still fails: the stacks show who is where.
-        """
-        seq, _, entered = self._current
-        if seq != report.seq or entered is None:
-            self._checked_seq = report.seq
-            get_logger("watchdog").warning(
-                "slow collective: %s waited %.0f s (stall timeout %g s) and then finished",
-                report.op, report.waited_s, self.stall_timeout_s,
-            )  # fmt: skip
-            return
-        self._fired = True
-        mine = str(self.info.rank)
-        if self._store.compare_set("reporter", "", mine).decode() == mine:
-            self.on_stall(report)
-
-    def _follow_abort(self) -> None:
-        """Another rank reported a stall: answer its stack request, then stop after a grace."""
-        now = time.monotonic()
-        if self._abort_seen_at is None:
-            self._abort_seen_at = now
-        elif now - self._abort_seen_at >= 2 * self.interval_s:
-            headline = self._store.get("abort").decode()
-            self._exit(StallError(f"stopped by another rank's watchdog: {headline}"))
+        if request.startswith("abort\n"):
+            self._fired = True
+            self._ending.set()
+            headline = request.split("\n", 1)[1]
+            kind = DeadlockError if headline.startswith("deadlock") else StallError
+            self._leave_in_order()
+            self._exit(kind(f"stopped by another rank's watchdog: {headline}"))
 
     def _read_beats(self) -> None:
         """Fetch every rank's heartbeat (one round trip once all exist); note which are new.
@@ -257,13 +269,71 @@ class Watchdog:
                 self._beats[rank], self._heard_at[rank] = beat, now
         self._heard_at[self.info.rank] = now
 
+    def _fresh_positions(self) -> dict[int, tuple[Position, float]]:
+        """rank -> (position, seconds it has stayed there) for every rank heard recently."""
+        silent_after_s = 2 * self.interval_s + 1
+        return {
+            rank: (Position.from_json(beat), float(beat.get("still_s", 0.0)))
+            for rank, beat in self._beats.items()
+            if rank != self.info.rank and (self.silent_s(rank) or 0.0) <= silent_after_s
+        }
+
+    def _check_deadlock(self, mine: Position, still_s: float) -> bool:
+        if self.deadlock_timeout_s is None:
+            return False
+        found = {**self._fresh_positions(), self.info.rank: (mine, still_s)}
+        positions = {rank: position for rank, (position, _) in found.items()}
+        if not find_deadlock(positions, self.info.world_size):
+            return False
+        waited_s = min(stayed for _, stayed in found.values())
+        if waited_s < self.deadlock_timeout_s:
+            return False
+        report = deadlock_report(self.info.rank, positions, waited_s, self.group_labels)
+        self._fire(report)
+        return True
+
+    def _check_stall(self, mine: Position, still_s: float) -> bool:
+        stall_check = all(check for _, check in self._labels)
+        if self.stall_timeout_s is None or not stall_check or still_s <= self.stall_timeout_s:
+            return False
+        silent_after_s = 2 * self.interval_s + 1
+        peers = {}
+        for rank in range(self.info.world_size):
+            if rank != self.info.rank:
+                beat, age = self._beats.get(rank), self.silent_s(rank)
+                position = Position.from_json(beat) if beat else None
+                peers[rank] = (position, age if age is not None and age > silent_after_s else None)
+        report = stall_report(
+            self.info.rank, self.info.world_size, mine, still_s, peers, self.group_labels
+        )
+        self._fire(report, recheck=True)
+        return True
+
+    def _fire(self, report: StallReport, recheck: bool = False) -> None:
+        """Gather the stacks and hand the report on, unless the wait ended meanwhile (a slow
+        collective: warned once) or another rank already reports (it tells us to stop)."""
+        signature = self._signature
+        report.stacks = self._gather_stacks()
+        if recheck:
+            self._sample(time.monotonic())
+            if self._signature != signature:
+                get_logger("watchdog").warning(
+                    "slow: rank %d waited %.0f s (stall timeout %g s) and then moved on",
+                    self.info.rank, report.waited_s, self.stall_timeout_s,
+                )  # fmt: skip
+                return
+        self._fired = True
+        mine = str(self.info.rank)
+        if self._store.compare_set("reporter", "", mine).decode() == mine:
+            self.on_stall(report)
+
     def silent_s(self, rank: int) -> float | None:
         """Seconds since a new heartbeat of ``rank`` was seen here (``None``: never seen)."""
         heard = self._heard_at.get(rank)
         return None if heard is None else time.monotonic() - heard
 
     def lost_contact(self) -> str:
-        """What this rank last knew of the others, for an error after a collective timed out:
+        """What this rank last knew of the others, for an error after a collective failed:
         e.g. ``"no heartbeat from rank 0 for 15 s (host-a pid 12); the rendezvous store has
         not answered for 15 s"``."""
         silent_after_s = 2 * self.interval_s + 1
@@ -283,23 +353,8 @@ class Watchdog:
             parts.append(f"the rendezvous store has not answered for {store_silent_s:.0f} s")
         return "; ".join(parts) or "every rank's heartbeat is recent"
 
-    def _diagnose(self, seq: int, op: str, waited_s: float) -> StallReport:
-        report = StallReport(self.info.rank, self.info.world_size, op, seq, waited_s)
-        silent_after_s = 2 * self.interval_s + 1
-        for rank in range(self.info.world_size):
-            if rank == self.info.rank:
-                continue
-            where, late = describe_peer(
-                self._beats.get(rank), self.silent_s(rank), seq, op, silent_after_s
-            )
-            report.peers.append(f"rank {rank}: {where}")
-            if late:
-                report.late_ranks.append(rank)
-        report.stacks = self._gather_stacks()
-        return report
-
     def _gather_stacks(self) -> dict[int, str]:
-        self._store.set("dump", str(self.info.rank))
+        self._store.set("request", "dump")
         self._answered_dump = True
         self._store.set(f"stack/{self.info.rank}", main_thread_stack(self._thread_id))
         keys = [f"stack/{r}" for r in range(self.info.world_size)]
@@ -313,14 +368,32 @@ class Watchdog:
         }
 
     def _report_and_exit(self, report: StallReport) -> None:
+        self._ending.set()
         prefix = f"[rank {self.info.rank}/{self.info.world_size}]"
         print("\n".join(f"{prefix} {line}" for line in report.text().splitlines()),
               file=sys.stderr, flush=True)  # fmt: skip
-        error = StallError(report.text())
+        error = (DeadlockError if report.kind == "deadlock" else StallError)(report.text())
         self._record(error)
-        self._store.set("abort", report.headline)
-        time.sleep(3 * self.interval_s)  # let the others read the abort before the store goes
+        self._store.set("request", f"abort\n{report.headline}")
+        self._leave_in_order()
         self._exit(error, recorded=True)
+
+    def _leave_in_order(self) -> None:
+        """End together: every rank waits until all have read the abort (so no training thread
+        sees a peer vanish first and reports that as a second error); rank 0, which hosts the
+        store under ``ddpkit run`` and ``make_store``, leaves last. Each wait is bounded."""
+        ranks = range(self.info.world_size)
+        self._store.set(f"stopped/{self.info.rank}", "1")
+        if self.info.rank == 0:
+            self._wait_for([f"leaving/{r}" for r in ranks if r != 0])
+        else:
+            self._wait_for([f"stopped/{r}" for r in ranks])
+            self._store.set(f"leaving/{self.info.rank}", "1")
+
+    def _wait_for(self, keys: list[str]) -> None:
+        deadline = time.monotonic() + 3 * self.interval_s
+        while time.monotonic() < deadline and not self._store.check(keys):
+            time.sleep(0.02)
 
     def _record(self, error: StallError) -> None:
         from ddpkit.launch.failures import RUN_DIR_ENV, make_record, write_record
@@ -329,6 +402,7 @@ class Watchdog:
             write_record(make_record(error), os.environ[RUN_DIR_ENV])
 
     def _exit(self, error: StallError, recorded: bool = False) -> None:
+        self._ending.set()
         if not recorded:
             self._record(error)
             prefix = f"[rank {self.info.rank}/{self.info.world_size}]"
@@ -336,31 +410,3 @@ class Watchdog:
         for stream in (sys.stdout, sys.stderr):
             stream.flush()
         os._exit(1)
-
-
-def describe_peer(
-    beat: dict | None, silent_s: float | None, seq: int, op: str, silent_after_s: float
-) -> tuple[str, bool]:
-    """Where a peer is relative to collective ``seq`` named ``op``: ``(text, is_late)``.
-
-    ``silent_s``: seconds since this rank last saw a new heartbeat from the peer.
-    """
-    if beat is None or silent_s is None:
-        return "no heartbeat yet (not started, or started without the watchdog)", True
-    place = f"collective #{beat['seq']} ({beat['op'] or 'none'})"
-    if silent_s > silent_after_s:
-        return (
-            f"silent for {silent_s:.0f} s ({beat['host']} pid {beat['pid']}), last at {place}: "
-            "dead, unreachable, or blocked while holding the GIL",
-            True,
-        )
-    if beat["seq"] < seq or (beat["seq"] == seq and not beat["inside"] and beat["op"] != op):
-        state = "inside" if beat["inside"] else "after"
-        return f"has not arrived: {state} {place}, running other code (see its stack)", True
-    if beat["seq"] > seq:
-        return f"is ahead, at {place}: the ranks called different collectives", True
-    if beat["op"] != op:
-        return f"is in a different collective: {place}", True
-    if not beat["inside"]:
-        return f"has passed {place} and runs other code", False
-    return f"waiting in {place} too", False

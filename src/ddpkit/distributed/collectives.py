@@ -4,7 +4,9 @@ Debug switch: with ``DDPKIT_DEBUG_COLLECTIVES=1`` in the environment (or
 ``runtime.debug_collectives = True``), every ddpkit collective first compares the shape and dtype
 of its tensor across ranks and raises on every rank, naming each rank's shape, instead of
 hanging, aborting or returning garbage (gloo happily all-reduces a (2, 4) tensor with a (4, 2)
-one). It costs one extra small all-gather per collective, so it is off by default.
+one). It costs one extra small all-reduce per collective, so it is off by default. The check is
+itself an all-reduce, so it never turns a fast failure into a hang: a rank whose peer runs a
+different all-reduce still gets gloo's immediate abort.
 """
 
 from __future__ import annotations
@@ -58,11 +60,15 @@ def verify_same_shape(tensor: torch.Tensor, runtime: Runtime, op: str) -> None:
         raise DistributedError(f"{op}: the shape check supports up to {_MAX_DIMS} dims.")
     code = _DTYPES.index(tensor.dtype) if tensor.dtype in _DTYPES else len(_DTYPES)
     row = [tensor.dim(), code, *tensor.shape] + [-1] * (_MAX_DIMS - tensor.dim())
-    local = torch.tensor(row, dtype=torch.int64, device=runtime.device)
-    rows = [torch.empty_like(local) for _ in range(runtime.world_size)]
+    # An all-reduce of a table where each rank fills its own row, not an all-gather: the check
+    # is then the same operation as the collective it guards, so a rank that meets a different
+    # all-reduce (a raw one, DDP's buckets) fails as fast as without the check (gloo aborts on
+    # the size mismatch) instead of an all-gather waiting forever for a partner.
+    table = torch.zeros(runtime.world_size, len(row), dtype=torch.int64, device=runtime.device)
+    table[runtime.rank] = torch.tensor(row, dtype=torch.int64)
     with runtime.watch(f"{op} shape check"):
-        dist.all_gather(rows, local, group=runtime.process_group)
-    described = [_describe(r.tolist()) for r in rows]
+        dist.all_reduce(table, group=runtime.process_group)
+    described = [_describe(r.tolist()) for r in table.cpu()]
     if len(set(described)) > 1:
         listing = ", ".join(f"rank {r} {d}" for r, d in enumerate(described))
         raise DistributedError(

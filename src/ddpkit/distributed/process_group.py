@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import faulthandler
 import os
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -86,7 +87,8 @@ class Runtime:
         train_timeout_s: limit for one collective, in seconds.
         debug_collectives: compare shapes and dtypes across ranks before each ddpkit collective
             (see :mod:`ddpkit.distributed.collectives`; also ``DDPKIT_DEBUG_COLLECTIVES=1``).
-        watchdog: the stall detector (:mod:`ddpkit.diagnostics.watchdog`), or ``None`` (off).
+        watchdog: the deadlock and stall detector (:mod:`ddpkit.diagnostics.watchdog`), or
+            ``None`` (off, or a single process).
     """
 
     info: ProcessInfo
@@ -115,18 +117,20 @@ class Runtime:
         return self.info.is_rank_zero
 
     @contextlib.contextmanager
-    def watch(self, op: str) -> Iterator[None]:
-        """Run one collective the ranks must all reach: marked for the watchdog, and a peer
-        that stops answering turned into an error that says what this rank last knew of it.
+    def watch(self, op: str, *, stall_check: bool = True) -> Iterator[None]:
+        """Run one collective the ranks must all reach, turning a peer that stops answering
+        into an error that says what this rank last knew of it.
 
-        Wrap every such call, e.g. ``with runtime.watch("backward"): loss.backward()`` around
-        DDP's gradient all-reduce.
+        The watchdog needs no marker (it reads the training thread's stack); ``op`` only names
+        the block in its reports. ``stall_check=False`` declares a wait that may outlast the
+        stall timeout (see :meth:`main_process_first`).
 
         Raises:
             DistributedError: the collective failed because a peer stopped answering (gloo's
                 timeout or a closed connection); the message names the ranks not heard from.
         """
-        with self.watchdog.watch(op) if self.watchdog is not None else _NULL_CONTEXT:
+        watched = self.watchdog.watch(op, stall_check=stall_check) if self.watchdog else None
+        with watched or _NULL_CONTEXT:
             try:
                 yield
             except RuntimeError as exc:
@@ -134,14 +138,55 @@ class Runtime:
                     raise
                 raise self._lost_peer_error(op, exc) from exc
 
+    @contextlib.contextmanager
+    def main_process_first(self, *, local: bool = False) -> Iterator[None]:
+        """Run the body on rank 0 first, then on the other ranks (downloads, caches, datasets).
+
+        Rank 0 (with ``local=True``: local rank 0 of each node, for a cache on each node's own
+        disk) runs the body while the others wait at a barrier; then the others run it, e.g.
+        finding the files rank 0 downloaded. The wait is declared to the watchdog: however long
+        rank 0 takes, no stall report (the process group's ``train_timeout_s`` still bounds it).
+        A collective inside the body deadlocks (the others are in the barrier) and is reported.
+
+        Collective: call on every rank. At world size 1 it just runs the body.
+
+        Raises:
+            DistributedError: a peer stopped answering during the barrier.
+
+        Example:
+            >>> with rt.main_process_first():          # doctest: +SKIP
+            ...     train_set = torchvision.datasets.MNIST("data", download=True)
+        """
+        first = self.local_rank == 0 if local else self.rank == 0
+        if not first:
+            self._main_process_barrier()
+        yield  # a body that raises on rank 0 ends its process: the others' barrier then fails
+        if first:
+            self._main_process_barrier()
+
+    def _main_process_barrier(self) -> None:
+        if self.process_group is not None:
+            with self.watch("main_process_first barrier", stall_check=False):
+                dist.barrier(group=self.process_group)
+
     def _lost_peer_error(self, op: str, exc: RuntimeError) -> DistributedError:
         detail = str(exc).strip().splitlines()[0].split("] ", 1)[-1]  # drop gloo's [file:line]
         known = (
             self.watchdog.lost_contact()
             if self.watchdog is not None
-            else "turn on the watchdog (stall_timeout_s, ddpkit train --stall-timeout) to learn "
-            "which rank went silent"
+            else "turn the watchdog on (init_runtime's defaults) to learn which rank went silent"
         )
+        if any(marker in detail for marker in _PEER_ENDED):
+            from ddpkit.diagnostics.position import collective_in_traceback
+
+            mine = collective_in_traceback(exc) or op
+            return DistributedError(
+                f"{op} failed on rank {self.rank}/{self.world_size}: a peer's process ended "
+                f"during it ({detail}). It raised, crashed or was aborted: when gloo aborts a "
+                "rank with 'Is there a distributed collective mismatch in your code?', the ranks "
+                f"called different collectives or passed different sizes (this rank: {mine}). "
+                "The first failure in the other ranks' output is the cause."
+            )
         return DistributedError(
             f"{op} failed on rank {self.rank}/{self.world_size}: a peer stopped answering "
             f"({detail}). {known[0].upper()}{known[1:]}. A peer died or hung, or the network "
@@ -171,6 +216,8 @@ class Runtime:
             from ddpkit.diagnostics.translate import add_hint_note
             from ddpkit.launch.failures import stamp_failure_time
 
+            if self.watchdog is not None:  # a report ends this process: not a second cause
+                self.watchdog.wait_if_ending()
             stamp_failure_time(exc)
             add_hint_note(exc)  # the fix under the traceback, under torchrun too
         self.close()
@@ -184,6 +231,7 @@ _LOST_PEER = (
     "Connection reset by peer",
     "Broken pipe",
 )
+_PEER_ENDED = ("Connection closed by peer", "Connection reset by peer")  # its socket closed
 
 
 def _check_timeouts(**timeouts_s: float | None) -> None:
@@ -194,6 +242,19 @@ def _check_timeouts(**timeouts_s: float | None) -> None:
     ]
     if problems:
         raise ConfigError(f"invalid timeout: {'; '.join(problems)}. Pass e.g. 300.")
+
+
+def _watchdog_timeout(name: str, value: float | None, example: float) -> float | None:
+    """``None`` for off (``0`` or ``None``), else the value, checked."""
+    if value is None or (value == 0 and not isinstance(value, bool)):
+        return None
+    _check_timeouts(**{name: value})
+    if value < MIN_STALL_TIMEOUT_S:
+        raise ConfigError(
+            f"invalid timeout: {name}={value!r} is under two watchdog heartbeats. Pass at "
+            f"least {MIN_STALL_TIMEOUT_S:g} seconds, e.g. {example}, or 0 for off."
+        )
+    return float(value)
 
 
 def _attempt_store(info: ProcessInfo, timeout_s: float) -> dist.Store:
@@ -218,7 +279,9 @@ def init_runtime(
     train_timeout_s: float = 1800.0,
     info: ProcessInfo | None = None,
     store: dist.Store | None = None,
-    stall_timeout_s: float | None = None,
+    stall_timeout_s: float | None = 300.0,
+    *,
+    deadlock_timeout_s: float | None = 5.0,
 ) -> Runtime:
     """Join the job: create the process groups and pick this rank's device.
 
@@ -234,9 +297,14 @@ def init_runtime(
         info: the process coordinates; read from the environment when omitted.
         store: a rendezvous store to use instead of ``MASTER_ADDR``/``MASTER_PORT`` (e.g. a
             ``torch.distributed.FileStore`` shared by the ranks, as ddpkit's test harness does).
-        stall_timeout_s: start the watchdog (:mod:`ddpkit.diagnostics.watchdog`): a watched
-            collective waiting longer than this many seconds ends the job with a report naming
-            the late ranks and their stacks. ``None`` (default) leaves it off.
+        stall_timeout_s: the watchdog (:mod:`ddpkit.diagnostics.watchdog`, on by default)
+            ends the job with a report when a rank has waited in a collective this many seconds
+            while another rank runs other code: it names the busy rank and shows its stack.
+            ``0`` or ``None``: no stall reports.
+        deadlock_timeout_s: the watchdog ends the job with a report naming each rank's
+            collective and source line once every rank has been stuck this many seconds in
+            collectives that cannot match (different operation, group or count). ``0`` or
+            ``None``: no deadlock reports. Both off: no watchdog thread.
 
     Returns:
         A :class:`Runtime`; close it (or use ``with``) to destroy the groups.
@@ -256,13 +324,8 @@ def init_runtime(
         ...     print(rt.rank, rt.world_size, rt.device)
     """
     _check_timeouts(init_timeout_s=init_timeout_s, train_timeout_s=train_timeout_s)
-    if stall_timeout_s is not None:
-        _check_timeouts(stall_timeout_s=stall_timeout_s)
-        if stall_timeout_s < MIN_STALL_TIMEOUT_S:
-            raise ConfigError(
-                f"invalid timeout: stall_timeout_s={stall_timeout_s!r} is under two watchdog "
-                f"heartbeats. Pass at least {MIN_STALL_TIMEOUT_S:g} seconds, e.g. 300."
-            )
+    stall_timeout_s = _watchdog_timeout("stall_timeout_s", stall_timeout_s, 300)
+    deadlock_timeout_s = _watchdog_timeout("deadlock_timeout_s", deadlock_timeout_s, 5)
     info = info or detect_process_info()
     check_world_size_limit(info)
     chosen = resolve_backend(backend, info)
@@ -281,6 +344,8 @@ def init_runtime(
             "Start with torchrun/ddpkit run, or export rank 0's MASTER_ADDR and MASTER_PORT."
         )
     token = load_token()
+    if not faulthandler.is_enabled():  # a native abort (gloo's, NCCL's) still shows the stack
+        faulthandler.enable(all_threads=True)
     if chosen == "nccl":
         torch.cuda.set_device(device)
     if store is None:
@@ -298,8 +363,18 @@ def init_runtime(
     try:
         group = dist.new_group(timeout=datetime.timedelta(seconds=train_timeout_s))
         watchdog = None
-        if stall_timeout_s is not None:
-            watchdog = Watchdog(store, info, stall_timeout_s).start()
+        if stall_timeout_s is not None or deadlock_timeout_s is not None:
+            watchdog = Watchdog(
+                store,
+                info,
+                stall_timeout_s,
+                deadlock_timeout_s=deadlock_timeout_s,
+                groups=(group,),
+                group_labels={
+                    dist.group.WORLD.group_name: "the default group",
+                    group.group_name: "ddpkit's training group",
+                },
+            ).start()
     except BaseException:
         dist.destroy_process_group()
         raise

@@ -37,6 +37,8 @@ class FailureRecord:
         pid: the worker's process id.
         hint: the explanation and fix for a known failure (:func:`ddpkit.diagnostics.translate.
             explain`), or ``""``.
+        collective: the torch.distributed call it was raised in, with its tensor and the user's
+            line (``"all_reduce of float32 (8,) at train.py:13"``), or ``""``.
     """
 
     rank: int
@@ -49,6 +51,7 @@ class FailureRecord:
     time_s: float
     pid: int
     hint: str = ""
+    collective: str = ""
 
     @property
     def headline(self) -> str:
@@ -107,8 +110,23 @@ def make_record(exc: BaseException, environ: dict[str, str] | None = None) -> Fa
         traceback="" if isinstance(exc, (SystemExit, DdpkitError)) else _user_traceback(exc),
         time_s=getattr(exc, _FAILED_AT, None) or time.time(),
         pid=os.getpid(),
-        hint="" if isinstance(exc, SystemExit) else explain(exc) or "",
+        # ddpkit's own errors already say what to do
+        hint="" if isinstance(exc, (SystemExit, DdpkitError)) else explain(exc) or "",
+        collective=_collective(exc),
     )
+
+
+def _collective(exc: BaseException) -> str:
+    from ddpkit.diagnostics.position import collective_in_traceback
+
+    seen: set[int] = set()
+    while exc is not None and id(exc) not in seen:  # a translated error: look at its cause too
+        seen.add(id(exc))
+        found = collective_in_traceback(exc)
+        if found:
+            return found
+        exc = exc.__cause__ or exc.__context__
+    return ""
 
 
 def write_record(record: FailureRecord, run_dir: str | os.PathLike[str]) -> Path:

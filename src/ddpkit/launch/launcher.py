@@ -23,17 +23,20 @@ import threading
 import time
 import uuid
 from dataclasses import dataclass
+from pathlib import Path
 
 from ddpkit.distributed.env import ProcessInfo
 from ddpkit.distributed.rendezvous import check_world_size_limit
 from ddpkit.errors import ConfigError
-from ddpkit.launch.failures import LAUNCHER_PID_ENV, RUN_DIR_ENV, FailureRecord, read_records
+from ddpkit.launch.failures import LAUNCHER_PID_ENV, RUN_DIR_ENV, read_records
 from ddpkit.launch.network import (
     NetworkPlan,
     host_rendezvous_store,
     plan_network,
     tls_environment,
 )
+from ddpkit.launch.stderr_tail import read_tail, tail_path
+from ddpkit.launch.summary import summarize_failure
 from ddpkit.security.bind import MULTI_NODE_ENV
 from ddpkit.security.token import load_token
 
@@ -165,61 +168,6 @@ def torchrun_argv(spec: LaunchSpec, plan: NetworkPlan, run_id: str) -> list[str]
     ]
 
 
-def _traceback_tail(text: str, num_lines: int = 3) -> list[str]:
-    """The last frame lines of a traceback, without the exception line and caret markers."""
-    lines = [line.strip() for line in text.rstrip().splitlines()[:-1]]
-    lines = [line for line in lines if line and set(line) - set("^~ ")]
-    return lines[-num_lines:] if lines and lines[0].startswith("Traceback") else []
-
-
-def summarize_failure(
-    records: list[FailureRecord], exit_codes: dict[int, int], spec: LaunchSpec
-) -> list[str]:
-    """The closing lines of a failed job: the first failure, then how the job ended.
-
-    Args:
-        records: failure records of the final attempt, oldest first.
-        exit_codes: rank -> exit status as torchrun reported it (negative: killed by a signal).
-        spec: the launch.
-    """
-    import signal
-
-    lines = []
-    recorded = {r.rank for r in records}
-    unrecorded = {rank: code for rank, code in exit_codes.items() if rank not in recorded}
-    signals = {rank: signal.Signals(-code).name for rank, code in unrecorded.items() if code < 0}
-    # SIGTERM is how torchrun stops the survivors (SIGKILL when they do not stop); count it as
-    # a cause only if nothing else is. After a watchdog report, every signal is that stop.
-    stopping = (
-        {"SIGTERM", "SIGKILL"} if any(r.type == "StallError" for r in records) else {"SIGTERM"}
-    )
-    crashed = {rank: name for rank, name in signals.items() if name not in stopping}
-    if not crashed and not records:
-        crashed = signals
-    for rank, name in sorted(crashed.items()):
-        lines.append(
-            f"ddpkit run: first failure: rank {rank}/{spec.nproc} died from signal {name} "
-            "without a Python exception."
-        )
-    if records:
-        first = records[0]
-        lines.append(f"ddpkit run: {'then' if crashed else 'first failure'}: {first.headline}")
-        lines += [f"ddpkit run:   {line}" for line in _traceback_tail(first.traceback)]
-        if first.hint:
-            lines.append(f"ddpkit run: hint: {first.hint}")
-    exited = {rank: code for rank, code in unrecorded.items() if code > 0}
-    if exited:
-        ranks = ", ".join(f"rank {r} exit status {c}" for r, c in sorted(exited.items()))
-        lines.append(f"ddpkit run: also failed without a Python exception: {ranks}.")
-    restarts = (
-        "restarts are off (--max-restarts 0); add --max-restarts N to restart the workers"
-        if spec.max_restarts == 0
-        else f"gave up after {spec.max_restarts} restart(s)"
-    )
-    lines.append(f"ddpkit run: job FAILED; all {spec.nproc} processes stopped; {restarts}.")
-    return lines
-
-
 def launch(spec: LaunchSpec) -> int:
     """Start ``spec.nproc`` workers through torchrun and wait for them.
 
@@ -266,7 +214,8 @@ def launch(spec: LaunchSpec) -> int:
         attempt = max((r.restart for r in records), default=0)
         records = [r for r in records if r.restart == attempt]
         codes = {rank: failure.exitcode for rank, failure in exc.failures.items()}
-        for line in summarize_failure(records, codes, spec):
+        tails = _stderr_tails(run_dir, codes)
+        for line in summarize_failure(records, codes, spec, tails):
             print(line, file=sys.stderr)
         return 1
     except RendezvousError as exc:  # this node's agent could not join (several nodes)
@@ -289,6 +238,18 @@ def launch(spec: LaunchSpec) -> int:
         os.environ.update(saved)
         shutil.rmtree(run_dir, ignore_errors=True)
         del rdzv_store
+
+
+def _stderr_tails(run_dir: str, exit_codes: dict[int, int]) -> dict[int, str]:
+    """rank -> the last bytes of its stderr, for the ranks that died from a signal (their
+    copiers finish within moments of the worker; waited for up to 2 s in all)."""
+    deadline = time.monotonic() + 2.0
+    tails = {}
+    for rank in (rank for rank, code in exit_codes.items() if code < 0):
+        paths = sorted(Path(run_dir).glob(f"stderr-r*-rank{rank}.txt"))
+        latest = paths[-1] if paths else tail_path(run_dir, 0, rank)
+        tails[rank] = read_tail(latest, wait_s=max(0.0, deadline - time.monotonic()))
+    return tails
 
 
 def _worker_environment(spec: LaunchSpec, plan: NetworkPlan, run_dir: str) -> dict[str, str]:

@@ -8,12 +8,16 @@ It runs the target as ``__main__`` (as ``python script.py`` would), and:
 - when an exception escapes: writes a :class:`~ddpkit.launch.failures.FailureRecord` (when
   ``DDPKIT_RUN_DIR`` is set), prints the traceback with a ``[rank r/N]`` prefix, exits 1;
 - on every path: destroys any process group still alive, then leaves through ``os._exit`` after
-  running ``atexit`` handlers and flushing stdio — see :func:`shutdown_and_exit` for why.
+  running ``atexit`` handlers and flushing stdio — see :func:`shutdown_and_exit` for why;
+- for a native crash (a gloo abort, a segfault): ``faulthandler`` prints every thread's Python
+  stack, and the last bytes of stderr are kept in the run folder for the launcher's summary
+  (:mod:`ddpkit.launch.stderr_tail`).
 """
 
 from __future__ import annotations
 
 import atexit
+import faulthandler
 import os
 import runpy
 import sys
@@ -154,9 +158,22 @@ def die_with_launcher() -> None:
         os._exit(1)
 
 
+def keep_stderr_tail() -> None:
+    """Under ``ddpkit run``: keep this rank's last stderr bytes in the run folder (see
+    :mod:`ddpkit.launch.stderr_tail`), and dump every thread's Python stack on a native crash."""
+    run_dir = os.environ.get(RUN_DIR_ENV)
+    if run_dir:
+        from ddpkit.launch.stderr_tail import tail_path, tee_stderr
+
+        restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0))
+        tee_stderr(tail_path(run_dir, restart, int(os.environ.get("RANK", 0))))
+
+
 def main() -> None:
     die_with_launcher()
+    keep_stderr_tail()
     line_buffer_stdio()
+    faulthandler.enable(all_threads=True)  # a native crash still shows where Python was
     shutdown_and_exit(run_target(sys.argv[1:]))
 
 

@@ -1,0 +1,181 @@
+"""The closing lines of a failed ``ddpkit run``: the first failure, what it means, how it ended.
+
+Sources: the failure records the workers wrote (:mod:`ddpkit.launch.failures`), torchrun's exit
+codes, and for a rank that died from a signal the last bytes of its stderr
+(:mod:`ddpkit.launch.stderr_tail`): gloo's own message and ``faulthandler``'s stacks. A gloo
+abort with "Is there a distributed collective mismatch" is reported as that, naming each rank's
+operation, call site and sizes, not as a crash without a cause or as a lost network. The advice
+to restart (``--max-restarts``) is given only where a restart can help.
+"""
+
+from __future__ import annotations
+
+import re
+import signal
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from ddpkit.diagnostics.position import short_path
+from ddpkit.launch.failures import FailureRecord
+
+if TYPE_CHECKING:
+    from ddpkit.launch.launcher import LaunchSpec
+
+WATCHDOG_TYPES = ("StallError", "DeadlockError")
+_GLOO_MISMATCH = re.compile(
+    r"op\.preamble\.length <= op\.nbytes\. (\d+) vs (\d+)\. Received data size doesn't match"
+)
+_LOST_PEER = ("Connection reset by peer", "Connection closed by peer", "Broken pipe", "Timed out")
+_FRAME = re.compile(r'^\s*File "(?P<file>[^"]+)", line (?P<line>\d+) in (?P<func>\S+)')
+_LIBRARY = ("/torch/", "/ddpkit/", "<frozen", "/threading.py", "/runpy.py")
+
+
+@dataclass(frozen=True)
+class NativeCrash:
+    """What a rank's stderr tail says about its death.
+
+    Attributes:
+        received, expected: gloo's byte counts when it aborted on a collective mismatch, else 0.
+        op: the torch.distributed function its training thread was in (``faulthandler``), or
+            ``""``; ``site``: the first ``file:line`` outside torch and ddpkit below it.
+    """
+
+    received: int = 0
+    expected: int = 0
+    op: str = ""
+    site: str = ""
+
+    @property
+    def mismatch(self) -> bool:
+        return self.received > 0
+
+    @property
+    def where(self) -> str:
+        return f"in {self.op} called at {self.site}" if self.op else ""
+
+
+def read_native_crash(tail: str) -> NativeCrash:
+    """Parse gloo's mismatch message and ``faulthandler``'s dump from a stderr tail."""
+    found = _GLOO_MISMATCH.search(tail)
+    received, expected = (int(found.group(1)), int(found.group(2))) if found else (0, 0)
+    op = site = ""
+    for block in tail.split("\n\n"):  # faulthandler: one block of frames per thread
+        frames = [m for m in map(_FRAME.match, block.splitlines()) if m]
+        inner = next((f for f in frames if f["file"].endswith("distributed_c10d.py")), None)
+        if inner is None:
+            continue
+        op = inner["func"]
+        outer = frames[frames.index(inner) + 1 :]
+        user = next((f for f in outer if not any(s in f["file"] for s in _LIBRARY)), None)
+        site = f"{short_path(user['file'])}:{user['line']}" if user else "?"
+        break
+    return NativeCrash(received, expected, op, site)
+
+
+def _traceback_tail(text: str, num_lines: int = 3) -> list[str]:
+    """The last frame lines of a traceback, without the exception line and caret markers."""
+    lines = [line.strip() for line in text.rstrip().splitlines()[:-1]]
+    lines = [line for line in lines if line and set(line) - set("^~ ")]
+    return lines[-num_lines:] if lines and lines[0].startswith("Traceback") else []
+
+
+def _report_lines(record: FailureRecord) -> list[str]:
+    """A watchdog report's per-rank lines and advice (its stacks were printed above)."""
+    lines = record.message.splitlines()[1:]
+    end = next((i for i, line in enumerate(lines) if line.strip().startswith("---")), len(lines))
+    return [line.strip() for line in lines[:end]]
+
+
+def _restart_can_help(crashes: dict[int, NativeCrash], records: list[FailureRecord]) -> bool:
+    """A killed process, a lost peer or a timeout may not recur; a code error will."""
+    if any(not crash.mismatch for crash in crashes.values()):
+        return True  # SIGKILL (out of memory, preempted), a segfault on one node ...
+    if crashes or not records:
+        return False
+    first = records[0]
+    if first.type == "DeadlockError":
+        return False
+    return first.type == "StallError" or any(word in first.message for word in _LOST_PEER)
+
+
+def summarize_failure(
+    records: list[FailureRecord],
+    exit_codes: dict[int, int],
+    spec: LaunchSpec,
+    tails: dict[int, str] | None = None,
+) -> list[str]:
+    """The closing lines of a failed job: the first failure, then how the job ended.
+
+    Args:
+        records: failure records of the final attempt, oldest first.
+        exit_codes: rank -> exit status as torchrun reported it (negative: killed by a signal).
+        spec: the launch.
+        tails: rank -> the last bytes of its stderr (see :mod:`ddpkit.launch.stderr_tail`).
+    """
+    lines = []
+    recorded = {r.rank for r in records}
+    unrecorded = {rank: code for rank, code in exit_codes.items() if rank not in recorded}
+    signals = {rank: signal.Signals(-code).name for rank, code in unrecorded.items() if code < 0}
+    # SIGTERM is how torchrun stops the survivors (SIGKILL when they do not stop); count it as
+    # a cause only if nothing else is. After a watchdog report, every signal is that stop.
+    watchdog = any(r.type in WATCHDOG_TYPES for r in records)
+    stopping = {"SIGTERM", "SIGKILL"} if watchdog else {"SIGTERM"}
+    crashed = {rank: name for rank, name in signals.items() if name not in stopping}
+    if not crashed and not records:
+        crashed = signals
+    crashes = {rank: read_native_crash((tails or {}).get(rank, "")) for rank in crashed}
+    for rank, name in sorted(crashed.items()):
+        crash = crashes[rank]
+        where = f", {crash.where}" if crash.where else ""
+        if crash.mismatch:
+            lines.append(
+                f"ddpkit run: first failure: rank {rank}/{spec.nproc} aborted ({name}): gloo "
+                f"found a collective mismatch: it received {crash.received} bytes where it "
+                f"expected {crash.expected}{where}."
+            )
+        else:
+            lines.append(
+                f"ddpkit run: first failure: rank {rank}/{spec.nproc} died from signal {name} "
+                f"without a Python exception{where}."
+            )
+    mismatch = any(crash.mismatch for crash in crashes.values())
+    if records:
+        first = records[0]
+        lines.append(f"ddpkit run: {'then' if crashed else 'first failure'}: {first.headline}")
+        if first.type in WATCHDOG_TYPES:
+            lines += [f"ddpkit run:   {line}" for line in _report_lines(first)]
+        else:
+            lines += [f"ddpkit run:   {line}" for line in _traceback_tail(first.traceback)]
+        if first.hint and not mismatch:
+            lines.append(f"ddpkit run: hint: {first.hint}")
+    if mismatch:
+        lines.append(f"ddpkit run: hint: {_mismatch_hint(crashes, records)}")
+    exited = {rank: code for rank, code in unrecorded.items() if code > 0}
+    if exited:
+        ranks = ", ".join(f"rank {r} exit status {c}" for r, c in sorted(exited.items()))
+        lines.append(f"ddpkit run: also failed without a Python exception: {ranks}.")
+    if spec.max_restarts:
+        restarts = f"gave up after {spec.max_restarts} restart(s)"
+    elif _restart_can_help(crashes, records):
+        restarts = (
+            "restarts are off (--max-restarts 0); add --max-restarts N to restart the workers"
+        )
+    else:
+        restarts = "restarts are off (--max-restarts 0); a restart would fail the same way"
+    lines.append(f"ddpkit run: job FAILED; all {spec.nproc} processes stopped; {restarts}.")
+    return lines
+
+
+def _mismatch_hint(crashes: dict[int, NativeCrash], records: list[FailureRecord]) -> str:
+    where = [
+        f"rank {rank} {crash.op or '?'} at {crash.site or '?'} (expected {crash.expected} "
+        f"bytes, received {crash.received})"
+        for rank, crash in sorted(crashes.items())
+        if crash.mismatch
+    ]
+    where += [f"rank {r.rank} {r.collective}" for r in records if r.collective]
+    return (
+        f"the ranks' collectives do not match: {'; '.join(where)}. Every rank must call the same "
+        "collectives in the same order, with tensors of the same shape and dtype; "
+        "DDPKIT_DEBUG_COLLECTIVES=1 compares them before each of ddpkit's collectives."
+    )

@@ -1,0 +1,109 @@
+"""The launcher's closing summary: gloo's collective-mismatch abort named as that (which ranks,
+which operation, which sizes), and ``--max-restarts`` advised only where a restart can help."""
+
+from __future__ import annotations
+
+import pytest
+
+from ddpkit.launch.failures import FailureRecord
+from ddpkit.launch.launcher import LaunchSpec
+from ddpkit.launch.summary import read_native_crash, summarize_failure
+
+# The end of a real rank's stderr (ddpkit run -n 2; rank 0 all_reduced 4 floats, rank 1 8):
+# libstdc++'s terminate message with gloo's enforce, then faulthandler's stacks.
+ABORTED_TAIL = """\
+terminate called after throwing an instance of 'gloo::EnforceNotMet'
+  what():  [enforce fail at /__w/pytorch/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:456] \
+op.preamble.length <= op.nbytes. 8 vs 4. Received data size doesn't match expected size. Is there \
+a distributed collective mismatch in your code?
+Fatal Python error: Aborted
+
+Thread 0x00007fdaa2ffd6c0 (most recent call first):
+  File "/usr/lib/python3.11/threading.py", line 331 in wait
+  File "/site-packages/ddpkit/diagnostics/watchdog.py", line 182 in _run
+
+Thread 0x00007fdad2418b80 (most recent call first):
+  File "/site-packages/torch/distributed/distributed_c10d.py", line 3252 in all_reduce
+  File "/site-packages/torch/distributed/c10d_logger.py", line 83 in wrapper
+  File "/site-packages/ddpkit/distributed/collectives.py", line 96 in all_reduce
+  File "mm.py", line 3 in <module>
+  File "<frozen runpy>", line 88 in _run_code
+  File "/site-packages/ddpkit/launch/worker.py", line 129 in run_target
+
+Extension modules: numpy._core._multiarray_umath, torch._C (total: 2)
+"""
+PEER_RESET = (
+    "all_reduce failed on rank 1/2: a peer's process ended during it (Read error "
+    "[127.0.0.1]:45227: Connection reset by peer. ...)"
+)
+
+
+def _record(rank, type_="RuntimeError", message="boom", collective="", time_s=10.0):
+    return FailureRecord(rank, rank, 2, 0, type_, message, "", time_s, 100 + rank, "", collective)
+
+
+def test_gloo_abort_is_read_from_the_stderr_tail():
+    crash = read_native_crash(ABORTED_TAIL)
+    assert (crash.received, crash.expected, crash.op, crash.site) == (8, 4, "all_reduce", "mm.py:3")
+    assert not read_native_crash("Segmentation fault\n").mismatch
+
+
+def test_collective_mismatch_is_named_with_ranks_operations_and_sizes():
+    peer = _record(1, "DistributedError", PEER_RESET, "all_reduce of float32 (8,) at mm.py:3")
+    lines = summarize_failure([peer], {0: -6, 1: 1}, LaunchSpec(["x.py"], 2), {0: ABORTED_TAIL})
+    text = "\n".join(lines)
+    assert lines[0] == (
+        "ddpkit run: first failure: rank 0/2 aborted (SIGABRT): gloo found a collective "
+        "mismatch: it received 8 bytes where it expected 4, in all_reduce called at mm.py:3."
+    )
+    assert (
+        "hint: the ranks' collectives do not match: rank 0 all_reduce at mm.py:3 (expected 4 "
+        "bytes, received 8); rank 1 all_reduce of float32 (8,) at mm.py:3." in text
+    )
+    assert "without a Python exception" not in text and "network" not in text
+    assert lines[-1].endswith(
+        "restarts are off (--max-restarts 0); a restart would fail the same way."
+    )
+
+
+@pytest.mark.parametrize(
+    "records,codes,restart_helps",
+    [
+        ([_record(1, "ValueError")], {1: 1, 0: -15}, False),  # a bug: it would fail again
+        ([_record(1, "SystemExit", "exit status 3")], {1: 3}, False),
+        ([_record(0, "DeadlockError", "deadlock: ...")], {0: 1, 1: -15}, False),
+        ([], {1: -9}, True),  # killed (out of memory, preempted)
+        ([_record(0, "StallError", "stall: ...")], {0: 1, 1: -15}, True),  # a timeout
+        (
+            [_record(1, "DistributedError", "x failed: a peer stopped answering (Timed out)")],
+            {},
+            True,
+        ),
+        ([_record(1, "RuntimeError", "... Connection closed by peer ...")], {}, True),
+    ],
+)
+def test_restarts_are_advised_only_where_they_can_help(records, codes, restart_helps):
+    last = summarize_failure(records, codes, LaunchSpec(["x.py"], 2))[-1]
+    assert ("add --max-restarts N" in last) is restart_helps, last
+    assert ("a restart would fail the same way" in last) is not restart_helps, last
+
+
+def test_a_watchdog_report_shows_each_rank_in_the_summary():
+    message = (
+        "deadlock: the ranks wait in collectives that cannot match (for 5 s, found by rank 0):\n"
+        "  rank 0: all_reduce on the default group (ranks 0, 1), called at t.py:9\n"
+        "  rank 1: backward(), waiting for DDP's gradient all-reduce, called at t.py:7\n"
+        "  Every rank must call the same collectives ...\n"
+        "  --- stack of rank 0's training thread:\n"
+        '    File "t.py", line 9, in <module>\n'
+    )
+    lines = summarize_failure(
+        [_record(0, "DeadlockError", message)], {0: 1, 1: -9}, LaunchSpec(["x.py"], 2)
+    )
+    assert (
+        "ddpkit run:   rank 1: backward(), waiting for DDP's gradient all-reduce, called at t.py:7"
+        in lines
+    )
+    assert not any(
+        "stack of rank" in line or "SIGKILL" in line for line in lines
+    )  # stops: not causes

@@ -1,0 +1,92 @@
+"""The watchdog's verdict from every rank's position: a deadlock only when no collective can
+finish; never for ranks in the same collective, a rank running code, or point-to-point calls."""
+
+from __future__ import annotations
+
+import sys
+import threading
+
+import pytest
+
+from ddpkit.diagnostics.position import (
+    BACKWARD,
+    COLLECTIVE,
+    RUNNING,
+    WAITING,
+    Position,
+    locate,
+)
+from ddpkit.diagnostics.stall_report import describe, find_deadlock
+
+
+def _in(op: str, group: str = "0", ranks=(0, 1), seq: int | None = 3, site: str = "t.py:1"):
+    return Position(COLLECTIVE, op, group, tuple(ranks), seq, site)
+
+
+BACKWARD_POS = Position(BACKWARD, "backward", site="t.py:7")
+
+
+@pytest.mark.parametrize(
+    "positions,deadlock",
+    [
+        # the same collective, from different source lines: one collective, it will finish
+        ({0: _in("barrier", site="a.py:1"), 1: _in("barrier", site="b.py:9")}, False),
+        ({0: _in("all_reduce"), 1: _in("barrier")}, True),  # different operation
+        ({0: _in("all_reduce", group="0"), 1: _in("all_reduce", group="1")}, True),  # group
+        ({0: _in("all_reduce", seq=3), 1: _in("all_reduce", seq=4)}, True),  # count
+        ({0: _in("all_reduce"), 1: BACKWARD_POS}, True),  # user's all_reduce vs DDP's
+        ({0: BACKWARD_POS, 1: BACKWARD_POS}, False),
+        ({0: _in("all_reduce"), 1: Position(RUNNING, "download", site="t.py:3")}, False),
+        ({0: _in("all_reduce"), 1: Position(WAITING, "recv", site="t.py:3")}, False),  # p2p
+        ({0: _in("all_reduce")}, False),  # a rank not heard from: no verdict
+        # world 3: ranks 0 and 1 complete a subgroup collective; rank 2 waits for them after
+        (
+            {
+                0: _in("all_reduce", "2", (0, 1)),
+                1: _in("all_reduce", "2", (0, 1)),
+                2: _in("barrier", "0", (0, 1, 2)),
+            },
+            False,
+        ),
+        (
+            {
+                0: _in("all_reduce", "2", (0, 1)),
+                1: _in("barrier", "0", (0, 1, 2)),
+                2: _in("barrier", "0", (0, 1, 2)),
+            },
+            True,
+        ),
+    ],
+)
+def test_deadlock_only_when_no_collective_can_finish(positions, deadlock):
+    world_size = 3 if 2 in positions or any(len(p.ranks) == 3 for p in positions.values()) else 2
+    assert find_deadlock(positions, world_size) is deadlock
+
+
+def test_describe_names_group_number_tensor_and_line():
+    position = Position(COLLECTIVE, "all_reduce", "0", (0, 1), 3, "t.py:9", "evaluate", "f32 (4,)")
+    assert describe(position, {"0": "the default group"}) == (
+        "all_reduce on the default group (ranks 0, 1), its collective #3, f32 (4,), in ddpkit's "
+        "evaluate(), called at t.py:9"
+    )
+
+
+def test_a_thread_running_user_code_is_located_at_its_line():
+    ready, release = threading.Event(), threading.Event()
+
+    def user_code():
+        ready.set()
+        release.wait()  # WAITING HERE
+
+    thread = threading.Thread(target=user_code)
+    thread.start()
+    ready.wait()
+    try:
+        position = locate(sys._current_frames()[thread.ident], idle=True)
+    finally:
+        release.set()
+        thread.join()
+    assert position.state == RUNNING and not position.blocked
+    assert position.op == "wait"  # the function running, in the standard library ...
+    line = user_code.__code__.co_firstlineno + 2
+    assert position.site == f"tests/unit/test_watchdog_verdicts.py:{line}"  # ... called from here
