@@ -160,9 +160,14 @@ def die_with_launcher() -> None:
 
 def keep_stderr_tail() -> None:
     """Under ``ddpkit run``: keep this rank's last stderr bytes in the run folder (see
-    :mod:`ddpkit.launch.stderr_tail`), and dump every thread's Python stack on a native crash."""
+    :mod:`ddpkit.launch.stderr_tail`), and dump every thread's Python stack on a native crash.
+
+    Not when stderr is a terminal: a pipe in between would make the script's own ``isatty()``
+    checks (progress bars, colours) answer no. There the user reads gloo's abort message on the
+    terminal itself, and the launcher's summary names the rank and signal without it.
+    """
     run_dir = os.environ.get(RUN_DIR_ENV)
-    if run_dir:
+    if run_dir and not os.isatty(2):
         from ddpkit.launch.stderr_tail import tail_path, tee_stderr
 
         restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0))
