@@ -209,7 +209,8 @@ class Watchdog:
         if self._fired or self._stop.is_set():
             return
         stays = position.blocked and still_s >= self.interval_s
-        if stays or self._ticks % READ_BEATS_EVERY == 0:
+        # the first beats, then one in READ_BEATS_EVERY: what lost_contact() reports later
+        if stays or self._ticks <= 3 or self._ticks % READ_BEATS_EVERY == 0:
             self._read_beats()
         if stays and not self._check_deadlock(position, still_s):
             self._check_stall(position, still_s)
