@@ -319,3 +319,20 @@ def test_a_busy_rank_past_the_stall_threshold_is_named_with_the_fix(tmp_path):
 def test_main_process_first_lets_rank0_work_past_the_stall_threshold():
     done = run_distributed(_sleep_under_thresholds, 3, args=(5.0, 2, True), init=False)
     assert done[0] + 0.0 <= min(done[1:]), done  # rank 0 finished its body before the others
+
+
+def _close_after_beats(rt):
+    import threading
+
+    thread = next(t for t in threading.enumerate() if t.name == "ddpkit-watchdog")
+    ddpkit.all_reduce_sum([1.0], rt)
+    time.sleep(2.5)  # a few heartbeats
+    start = time.monotonic()
+    rt.close()
+    return thread.daemon, time.monotonic() - start, thread.is_alive()
+
+
+def test_the_watchdog_never_delays_the_exit():
+    # a daemon thread (never keeps a process alive), stopped by close() at once
+    for daemon, close_s, alive in run_distributed(_close_after_beats, 2):
+        assert daemon and close_s < 1.0 and not alive, (daemon, close_s, alive)

@@ -27,7 +27,8 @@ import torch.distributed as dist
 _TORCH_DIR = os.path.dirname(torch.__file__) + os.sep
 _DDPKIT_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
 _STDLIB_DIR = sysconfig.get_paths()["stdlib"] + os.sep
-_C10D = os.path.join(_TORCH_DIR, "distributed", "distributed_c10d.py")
+_DISTRIBUTED = os.path.join(_TORCH_DIR, "distributed") + os.sep
+_C10D = os.path.join(_DISTRIBUTED, "distributed_c10d.py")
 _AUTOGRAD = os.path.join(_TORCH_DIR, "autograd", "graph.py")
 _DDP = os.path.join(_TORCH_DIR, "nn", "parallel", "distributed.py")
 
@@ -109,8 +110,8 @@ def locate(frame: FrameType | None, *, idle: bool) -> Position:
     if code.co_filename == _C10D and not code.co_name.startswith("_"):
         state = COLLECTIVE if code.co_name in COLLECTIVES else WAITING
         return _collective(frame, state)
-    if code.co_filename == _C10D or code.co_filename == _DDP:  # group creation, DDP internals
-        if idle:
+    if code.co_filename.startswith(_DISTRIBUTED) or code.co_filename == _DDP:
+        if idle:  # group creation, DDP's set-up and buffer broadcasts, point-to-point calls
             return Position(WAITING, code.co_name, site=user_site(frame), via=_via(frame))
     elif code.co_filename == _AUTOGRAD and code.co_name == "_engine_run_backward" and idle:
         return Position(BACKWARD, "backward", site=user_site(frame), via=_via(frame))

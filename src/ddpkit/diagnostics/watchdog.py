@@ -193,7 +193,8 @@ class Watchdog:
         now = time.monotonic()
         position = self._sample(now)
         still_s = now - self._since
-        label = self._labels[-1][0] if self._labels else ""
+        labels = list(self._labels)  # a snapshot: the training thread pushes and pops
+        label = labels[-1][0] if labels else ""
         beat = {
             **position.to_json(),
             "still_s": round(still_s, 1),
@@ -209,11 +210,11 @@ class Watchdog:
         if self._fired or self._stop.is_set():
             return
         stays = position.blocked and still_s >= self.interval_s
-        # the first ticks too: a peer lost soon after the start is then named with its age
+        # the first beats, then one in READ_BEATS_EVERY: what lost_contact() reports later
         if stays or self._ticks <= 3 or self._ticks % READ_BEATS_EVERY == 0:
             self._read_beats()
         if stays and not self._check_deadlock(position, still_s):
-            self._check_stall(position, still_s)
+            self._check_stall(position, still_s, all(check for _, check in labels))
 
     def _sample(self, now: float) -> Position:
         """Where the training thread is now; restarts the clock when it moved or progressed."""
@@ -235,7 +236,7 @@ class Watchdog:
         return tuple(sequence_number(g) for g in groups if g is not None)
 
     def _serve_requests(self) -> None:
-        """Answer a stack request; follow another rank's report (exit after a short grace)."""
+        """Answer a stack request; on another rank's report, end this process with it."""
         if not self._store.check(["request"]):
             return
         request = self._store.get("request").decode()
@@ -293,8 +294,7 @@ class Watchdog:
         self._fire(report)
         return True
 
-    def _check_stall(self, mine: Position, still_s: float) -> bool:
-        stall_check = all(check for _, check in self._labels)
+    def _check_stall(self, mine: Position, still_s: float, stall_check: bool) -> bool:
         if self.stall_timeout_s is None or not stall_check or still_s <= self.stall_timeout_s:
             return False
         silent_after_s = 2 * self.interval_s + 1
