@@ -167,6 +167,32 @@ def test_save_names_unsynced_buffers_and_saves_rank_zero_statistics(tmp_path):
     assert "sync_batchnorm=True" in warning
 
 
+
+def _save_ema_of_batchnorm_rank(runtime, directory: str, use_buffers: bool) -> list[str]:
+    """torch's AveragedModel copies (or averages) the model's BatchNorm buffers, which DDP's
+    default broadcast lets differ between forwards by design: not a difference to warn about."""
+    from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
+
+    messages: list[str] = []
+    handler = logging.Handler()
+    handler.emit = lambda record: messages.append(record.getMessage())
+    logging.getLogger("ddpkit").addHandler(handler)
+    model = ddpkit.wrap_model(_bn_net(), runtime)
+    ema = AveragedModel(
+        ddpkit.unwrap_model(model), multi_avg_fn=get_ema_multi_avg_fn(0.9), use_buffers=use_buffers
+    )
+    _train(runtime, model, after_step=lambda step: ema.update_parameters(model.module))
+    ddpkit.CheckpointManager(directory, runtime).save(NUM_STEPS, model=model, stateful={"ema": ema})
+    return messages
+
+
+@pytest.mark.parametrize("use_buffers", [False, True])
+def test_save_accepts_an_ema_of_ddp_synced_buffers(tmp_path, use_buffers):
+    results = run_distributed(_save_ema_of_batchnorm_rank, 2, args=(str(tmp_path), use_buffers))
+    assert not [m for m in results[0] if "differs" in m], results[0]
+    manifest = json.loads((tmp_path / "step-00000006" / "manifest.json").read_text())
+    assert "differs_across_ranks" not in manifest
+
 class _Ema:
     """An EMA of the parameters kept outside the DDP module."""
 

@@ -216,3 +216,37 @@ def _correct_uses(runtime) -> dict[str, object]:
 def test_correct_uses_raise_nothing_and_replicas_agree(world_size):
     results = run_distributed(_correct_uses, world_size=world_size, timeout_s=90)
     assert all(r == {"agree": True} for r in results), results
+
+
+def _gan_freezing_the_discriminator(runtime) -> bool:
+    """pix2pix/CycleGAN's set_requires_grad(D, False) for the generator step: correct in DDP.
+
+    With every parameter of D frozen, no gradient hook of DDP's reducer fires, so nothing is left
+    waiting; plain DDP trains this with replicas that agree (checked by hand under torchrun, also
+    with find_unused_parameters=True).
+    """
+    torch.manual_seed(0)
+    gen = ddpkit.wrap_model(nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 8)), runtime)
+    disc = ddpkit.wrap_model(nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 1)), runtime)
+    opt_g = torch.optim.Adam(gen.parameters(), 1e-3)
+    opt_d = torch.optim.Adam(disc.parameters(), 1e-3)
+    for step in range(3):
+        g = torch.Generator().manual_seed(10 * step + runtime.rank)
+        real, z = torch.randn(6, 8, generator=g), torch.randn(6, 4, generator=g)
+        fake = gen(z)
+        disc.requires_grad_(True)
+        opt_d.zero_grad()
+        (F.softplus(-disc(real)).mean() + F.softplus(disc(fake.detach())).mean()).backward()
+        opt_d.step()
+        disc.requires_grad_(False)
+        opt_g.zero_grad()
+        F.softplus(-disc(fake)).mean().backward()
+        opt_g.step()
+    flat = torch.cat([_flat(gen.module), _flat(disc.module)])
+    gathered = [torch.zeros_like(flat) for _ in range(runtime.world_size)]
+    dist.all_gather(gathered, flat)
+    return all(torch.equal(t, gathered[0]) for t in gathered)
+
+
+def test_freezing_every_parameter_for_a_step_is_allowed():
+    assert run_distributed(_gan_freezing_the_discriminator, world_size=2) == [True, True]

@@ -11,7 +11,8 @@ strings) of:
 - ``model buffers`` that DDP does not overwrite with rank 0's at the next forward (only with
   ``broadcast_buffers=False``; synced ones differ between forwards by design);
 - ``optimizer`` (not a ``ZeroRedundancyOptimizer``, whose state is sharded), ``scheduler``,
-  ``scaler``, and every ``stateful[name]`` object (an EMA, ...).
+  ``scaler``, and every ``stateful[name]`` object (an EMA, ...), except a ``stateful`` key
+  named like a synced buffer (``AveragedModel`` copies or averages them: they differ too).
 
 A difference in these is reported in one warning naming the state, its keys and the ranks, and
 recorded in the checkpoint's manifest (``differs_across_ranks``); rank 0's copy is saved.
@@ -79,14 +80,25 @@ def replicated_digests(
     """
     inner = unwrap_model(model)
     skipped = synced_buffers(model)
+    synced = {n for n, b in inner.named_buffers() if id(b) in skipped}
     digests: Digests = {
         PARAMETERS: digest_tree(dict(inner.named_parameters())),
         BUFFERS: digest_tree({n: b for n, b in inner.named_buffers() if id(b) not in skipped}),
     }
     for section, obj in states.items():
         if obj is not None and not (section == "optimizer" and optimizer_sharded):
-            digests[section] = digest_tree(obj.state_dict())
+            tree = digest_tree(obj.state_dict())
+            if section.startswith("stateful[") and synced:
+                tree = {k: v for k, v in tree.items() if not _copies_synced(k, synced)}
+            digests[section] = tree
     return digests
+
+
+def _copies_synced(key: str, synced: set[str]) -> bool:
+    """True for a ``stateful`` key named like a DDP-synced buffer of the model (an EMA's
+    ``module.1.running_mean``: a copy or average of buffers that differ by design)."""
+    parts = key.split(".")
+    return any(".".join(parts[i:]) in synced for i in range(len(parts)))
 
 
 def differences(per_rank: list[Digests]) -> dict[str, dict[int, list[str]]]:

@@ -8,7 +8,9 @@ rank trains on its own gradients and the job exits 0), and ddpkit catches them b
 - ranks whose parameter lists differ at wrap time (rank 0 freezes ``a``, rank 1 freezes ``b``
   of the same shape): :func:`verify_same_parameters`, one small all-reduce before DDP is built;
 - ``requires_grad`` flipped after wrapping, or a parameter or submodule assigned (a new head):
-  checked in a forward pre-hook on the wrapper, so at the next step. Flags are compared on every
+  checked in a forward pre-hook on the wrapper, so at the next step. Freezing *every* parameter
+  for a while (a GAN's discriminator during the generator step) is allowed: no gradient reaches
+  DDP then, so nothing is left unsynced. Flags are compared on every
   forward (one list comparison); the structure only after torch's module/parameter registration
   hooks saw an assignment inside the wrapped model;
 - a backward that no forward of the wrapper preceded (``model.module(x)``,
@@ -211,7 +213,8 @@ class WrapGuard:
     def _before_forward(self, module: nn.Module, args: Any) -> None:
         if self.structure_changed:
             self._check_structure()
-        if [param.requires_grad for param in self.params] != self.requires_grad:
+        flags = [param.requires_grad for param in self.params]
+        if flags != self.requires_grad and any(flags):  # all frozen (a GAN's D): nothing to sync
             self._raise_flags_changed()
         if torch.is_grad_enabled():
             self.num_forwards += 1
