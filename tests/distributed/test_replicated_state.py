@@ -326,3 +326,7 @@ def test_zero_redundancy_optimizer_resumes_bitwise(tmp_path):
         True,
         True,
     ]
+
+
+def test_check_replicas_is_a_top_level_name_as_the_readme_writes_it():
+    assert ddpkit.check_replicas is check_replicas and "check_replicas" in ddpkit.__all__
