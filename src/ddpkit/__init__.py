@@ -35,6 +35,7 @@ from ddpkit.distributed.sampler import (
     build_train_loader,
 )
 from ddpkit.errors import ConfigError, DataError, DdpkitError, DistributedError
+from ddpkit.guards.replicas import check_replicas
 from ddpkit.guards.wrapped import WrappedModelError
 from ddpkit.log import configure_logging, get_logger
 from ddpkit.parallel.comm import CommStats
@@ -75,6 +76,7 @@ __all__ = [
     "barrier",
     "build_eval_loader",
     "build_train_loader",
+    "check_replicas",
     "configure_logging",
     "convert_sync_batchnorm",
     "detect_process_info",

@@ -167,7 +167,6 @@ def test_save_names_unsynced_buffers_and_saves_rank_zero_statistics(tmp_path):
     assert "sync_batchnorm=True" in warning
 
 
-
 def _save_ema_of_batchnorm_rank(runtime, directory: str, use_buffers: bool) -> list[str]:
     """torch's AveragedModel copies (or averages) the model's BatchNorm buffers, which DDP's
     default broadcast lets differ between forwards by design: not a difference to warn about."""
@@ -192,6 +191,7 @@ def test_save_accepts_an_ema_of_ddp_synced_buffers(tmp_path, use_buffers):
     assert not [m for m in results[0] if "differs" in m], results[0]
     manifest = json.loads((tmp_path / "step-00000006" / "manifest.json").read_text())
     assert "differs_across_ranks" not in manifest
+
 
 class _Ema:
     """An EMA of the parameters kept outside the DDP module."""
@@ -326,3 +326,7 @@ def test_zero_redundancy_optimizer_resumes_bitwise(tmp_path):
         True,
         True,
     ]
+
+
+def test_check_replicas_is_a_top_level_name_as_the_readme_writes_it():
+    assert ddpkit.check_replicas is check_replicas and "check_replicas" in ddpkit.__all__

@@ -182,3 +182,13 @@ def test_tensor_digests_are_exact_and_position_sensitive():
     assert torch.equal(rows[0], rows[1])  # bit patterns: the same NaN is equal to itself
     assert not torch.equal(rows[2], rows[3])  # and -0.0 is not 0.0
     assert tensor_digests([]).shape == (0, 3)
+
+
+def test_bad_stateful_is_refused_by_resume_even_without_a_checkpoint(tmp_path):
+    # refused at the first run, not hours later at the first resume that finds a checkpoint
+    ckpt = ddpkit.CheckpointManager(tmp_path, _runtime())
+    with pytest.raises(TypeError, match=r"stateful\['ema'\] is a int"):
+        ckpt.resume(model=nn.Linear(2, 2), stateful={"ema": 3})
+    with pytest.raises(TypeError, match=r"stateful is a list: pass a dict"):
+        ckpt.save(1, model=nn.Linear(2, 2), stateful=[nn.Linear(2, 2)])
+    assert _leftovers(tmp_path) == []

@@ -339,11 +339,14 @@ class CheckpointManager:
                 consolidated state.
 
         Raises:
+            TypeError: a ``stateful`` entry lacks ``state_dict``/``load_state_dict`` (checked
+                before anything is read, also when there is no checkpoint yet).
             ConfigError: another world size or other settings (see :func:`check_compatible`).
             DataError: ``path`` is corrupt or incomplete; a ``stateful`` object has no state
                 in the checkpoint.
             DistributedError: the ranks found different newest checkpoints.
         """
+        check_stateful(stateful)  # also when there is nothing to resume yet
         if path is not None:
             found: tuple[Path, dict[str, Any]] | None = (Path(path), load_checkpoint(Path(path)))
         else:
@@ -359,7 +362,6 @@ class CheckpointManager:
             return 0
         folder, state = found
         check_compatible(folder, read_manifest(folder), self.runtime.world_size, extra)
-        check_stateful(stateful)
         check_saved_stateful(folder, state.get("stateful") or {}, stateful)
         load_model_state(model, state["model"])
         for name, obj in (stateful or {}).items():

@@ -45,8 +45,14 @@ def check_stateful(stateful: Mapping[str, Any] | None) -> None:
     """Raise unless every value has callable ``state_dict`` and ``load_state_dict``.
 
     Raises:
-        TypeError: names the entry and its type.
+        TypeError: ``stateful`` is not a dict, or names the entry and its type.
     """
+    if stateful is not None and not isinstance(stateful, Mapping):
+        raise TypeError(
+            f"checkpoint stateful is a {type(stateful).__name__}: "
+            "pass a dict {name: object with state_dict()/load_state_dict()}, e.g. "
+            "stateful={'ema': ema}; the same names on save and resume."
+        )
     for name, obj in (stateful or {}).items():
         if not isinstance(name, str) or not all(
             callable(getattr(obj, m, None)) for m in ("state_dict", "load_state_dict")

@@ -197,12 +197,19 @@ def all_gather(tensor: torch.Tensor, runtime: Runtime) -> list[torch.Tensor]:
         ``world_size`` tensors on ``tensor``'s device, row ``r`` of shape ``(n_r, *rest)``.
 
     Raises:
+        TypeError: ``tensor`` is not a ``torch.Tensor`` (before any communication).
         DistributedError (on every rank): dtypes or trailing dimensions differ across ranks,
             naming each rank's dtype and shape; or more than 8 dims.
 
     Example:
         >>> preds = torch.cat(ddpkit.all_gather(logits.argmax(1), rt))   # doctest: +SKIP
     """
+    if not isinstance(tensor, torch.Tensor):
+        raise TypeError(
+            f"all_gather: tensor is a {type(tensor).__name__}: it gathers torch.Tensors. Pass "
+            "torch.as_tensor(value), or gather any picklable object with "
+            "ddpkit.all_gather_object(value, runtime)."
+        )
     if runtime.process_group is None:
         return [tensor.detach().clone()]
     work = tensor.detach().to(runtime.device)
