@@ -53,7 +53,7 @@ from ddpkit.checkpoint.objects import (
     is_zero_optimizer,
 )
 from ddpkit.checkpoint.state import load_model_state, rng_state, set_rng_state
-from ddpkit.distributed.collectives import all_reduce_sum, barrier
+from ddpkit.distributed.collectives import all_gather_object, all_reduce_sum, barrier
 from ddpkit.distributed.process_group import Runtime
 from ddpkit.errors import ConfigError, DataError, DistributedError
 from ddpkit.guards.replicas import buffer_fix
@@ -111,15 +111,6 @@ def _notes(model: torch.nn.Module, optimizer: Any) -> dict[str, str]:
     if is_local_sgd_optimizer(optimizer):
         notes["optimizer"] = LOCAL_SGD_NOTE
     return notes
-
-
-def _gather(obj: Any, runtime: Runtime) -> list[Any]:
-    if runtime.process_group is None:
-        return [obj]
-    out: list[Any] = [None] * runtime.world_size
-    with runtime.watch("all_gather_object"):
-        dist.all_gather_object(out, obj, group=runtime.process_group)
-    return out
 
 
 class CheckpointManager:
@@ -211,7 +202,7 @@ class CheckpointManager:
             if self.runtime.process_group is not None
             else {}
         )
-        gathered = _gather({"rng": rng_state(), "digests": digests}, self.runtime)
+        gathered = all_gather_object({"rng": rng_state(), "digests": digests}, self.runtime)
         found = differences([g["digests"] for g in gathered])
         raise_if_parameters_differ(found, step)
         folder, error = self.directory / checkpoint_dir_name(step), None
@@ -351,7 +342,7 @@ class CheckpointManager:
             found: tuple[Path, dict[str, Any]] | None = (Path(path), load_checkpoint(Path(path)))
         else:
             found = self.load_latest()
-        names = _gather(found[0].name if found else None, self.runtime)
+        names = all_gather_object(found[0].name if found else None, self.runtime)
         if len(set(names)) > 1:
             listing = ", ".join(f"rank {r}: {n}" for r, n in enumerate(names))
             raise DistributedError(
