@@ -18,9 +18,9 @@ import torch
 from torch.nn import functional as F
 
 import ddpkit
+from ddpkit.app.mnist.model import MnistCNN
 from ddpkit.distributed.env import ProcessInfo
 from ddpkit.distributed.process_group import Runtime
-from ddpkit.examples.mnist import MnistCNN
 
 
 def main() -> None:

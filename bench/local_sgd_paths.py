@@ -24,7 +24,7 @@ import torch.distributed as dist
 from torch.nn import functional as F
 
 from ddpkit.bench.steploop import StepLoopSettings, _dataset, timed_steps
-from ddpkit.testing.harness import run_distributed
+from ddpkit.launch.spawn import run_distributed
 
 FORMS = ("no_sync", "hook", "flag")
 
@@ -35,7 +35,7 @@ def _worker(store: dist.Store, form: str, settings: StepLoopSettings, period: in
     from torch.nn.parallel import DistributedDataParallel
     from torch.utils.data import DataLoader, DistributedSampler
 
-    from ddpkit.examples.mnist import MnistCNN
+    from ddpkit.app.mnist.model import MnistCNN
     from ddpkit.parallel.comm import CommStats
     from ddpkit.parallel.local_sgd import PeriodicAverager
 

@@ -27,8 +27,8 @@ from torch.nn import functional as F
 from torch.utils.data import TensorDataset
 
 import ddpkit
+from ddpkit.app.mnist.model import MnistCNN
 from ddpkit.checkpoint import consistency, manager
-from ddpkit.examples.mnist import MnistCNN
 from ddpkit.testing import run_distributed
 from ddpkit.training import evaluate as evaluate_module
 

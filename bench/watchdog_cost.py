@@ -30,9 +30,9 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from ddpkit.diagnostics.position import locate
-from ddpkit.diagnostics.watchdog import Watchdog
 from ddpkit.distributed.env import ProcessInfo
+from ddpkit.distributed.position import locate
+from ddpkit.distributed.watchdog import Watchdog
 
 
 def heartbeat_cost(num_ticks: int) -> None:

@@ -31,7 +31,7 @@ from ddpkit.testing import run_distributed
 
 
 def _models() -> dict[str, tuple[nn.Module, torch.Tensor, torch.Tensor]]:
-    from ddpkit.examples.mnist import MnistCNN
+    from ddpkit.app.mnist.model import MnistCNN
 
     torch.manual_seed(0)
     layers = [m for _ in range(32) for m in (nn.Linear(64, 64), nn.ReLU())]

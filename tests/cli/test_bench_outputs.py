@@ -30,7 +30,7 @@ def test_unwritable_csv_is_refused_before_measuring(tmp_path, capsys, monkeypatc
     (tmp_path / "afile").write_text("")
     bad = tmp_path / "afile" / "x.csv"
     started = []
-    monkeypatch.setattr("ddpkit.testing.harness.run_distributed", lambda *a, **k: started.append(a))
+    monkeypatch.setattr("ddpkit.launch.spawn.run_distributed", lambda *a, **k: started.append(a))
     argv = ["bench", bench, *[arg.format(bad=bad) for arg in BENCHES[bench]]]
     code, err = run_main(argv, capsys)
     assert code == 2, err

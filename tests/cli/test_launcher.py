@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from ddpkit.launch.failures import FailureRecord
+from ddpkit.diagnostics.failures import FailureRecord
 from ddpkit.launch.launcher import LaunchSpec, summarize_failure, torchrun_argv
 from ddpkit.launch.network import plan_network
 from tests.helpers import pid_alive, run_cli

@@ -8,8 +8,8 @@ import json
 import pytest
 import torch
 
+from ddpkit.app.mnist.model import MnistCNN
 from ddpkit.cli import main
-from ddpkit.examples.mnist import MnistCNN
 from tests.helpers import run_cli, run_main
 
 NUM_CUDA = torch.cuda.device_count() if torch.cuda.is_available() else 0
@@ -99,8 +99,8 @@ def test_local_sgd_job_reports_averaging_bytes_per_step(tmp_path):
 
 
 def test_resume_with_another_local_sgd_period_is_refused(tmp_path, capsys):
+    from ddpkit.app.mnist.config import TrainConfig, resume_settings
     from ddpkit.checkpoint.io import write_checkpoint
-    from ddpkit.examples.mnist import TrainConfig, resume_settings
 
     out = tmp_path / "run"
     settings = {**resume_settings(TrainConfig(sync_every=2)), "dataset": "digits"}

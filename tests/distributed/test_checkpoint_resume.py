@@ -13,7 +13,7 @@ from torch.nn import functional as F
 from torch.utils.data import TensorDataset
 
 import ddpkit
-from ddpkit.examples.mnist import MnistCNN
+from ddpkit.app.mnist.model import MnistCNN
 from ddpkit.testing import run_distributed
 
 PER_RANK_BATCH = 4

@@ -213,7 +213,8 @@ def test_bad_compression_is_a_config_error():
 
 def _train_wrap_hook_free(runtime, compression: str) -> tuple[bool, int]:
     """Wrap as ``ddpkit train`` does; can a comm hook still be registered (torch allows one)?"""
-    from ddpkit.examples.mnist import TrainConfig, build_model_and_optimizer
+    from ddpkit.app.mnist.config import TrainConfig
+    from ddpkit.app.mnist.job import build_model_and_optimizer
 
     config = TrainConfig(grad_compression=compression)
     model, _, _, stats = build_model_and_optimizer(config, runtime)
@@ -227,7 +228,7 @@ def _train_wrap_hook_free(runtime, compression: str) -> tuple[bool, int]:
 def test_train_default_keeps_ddp_builtin_allreduce():
     """At default settings ddpkit train adds no Python comm hook (the raw-DDP C++ path) and
     counts the bytes per synced step instead; with compression its counting hook is there."""
-    from ddpkit.examples.mnist import MnistCNN
+    from ddpkit.app.mnist.model import MnistCNN
 
     grad_bytes = sum(p.numel() * p.element_size() for p in MnistCNN().parameters())
     for compression, expected in (("none", (True, grad_bytes)), ("fp16", (False, 0))):

@@ -10,8 +10,8 @@ from torch import nn
 from torch.nn import functional as F
 
 import ddpkit
+from ddpkit.diagnostics.failures import read_records
 from ddpkit.guards.nonfinite import NonFiniteGuard, check_replicas
-from ddpkit.launch.failures import read_records
 from ddpkit.testing import DistributedTestError, run_distributed
 
 

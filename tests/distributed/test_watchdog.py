@@ -226,7 +226,7 @@ def _one_rank_evaluate(rt):
 def _report_of(tmp_path, fn, world_size: int) -> str:
     """Run ``fn`` under the harness (init_runtime's defaults) and return the watchdog's report,
     which it records in DDPKIT_RUN_DIR before ending the ranks."""
-    from ddpkit.launch.failures import read_records
+    from ddpkit.diagnostics.failures import read_records
     from ddpkit.testing import DistributedTestError
 
     start = time.monotonic()
@@ -300,7 +300,7 @@ def test_below_the_stall_threshold_is_no_alarm():
 
 
 def test_a_busy_rank_past_the_stall_threshold_is_named_with_the_fix(tmp_path):
-    from ddpkit.launch.failures import read_records
+    from ddpkit.diagnostics.failures import read_records
     from ddpkit.testing import DistributedTestError
 
     env = {"DDPKIT_RUN_DIR": str(tmp_path)}

@@ -220,9 +220,9 @@ def test_without_tensorboard_one_info_line(tmp_path, monkeypatch, caplog):
 
     import torch
 
+    from ddpkit.app.mnist.monitor import open_tensorboard
     from ddpkit.distributed.env import ProcessInfo
     from ddpkit.distributed.process_group import Runtime
-    from ddpkit.examples.monitor import open_tensorboard
 
     monkeypatch.setitem(sys.modules, "tensorboard", None)  # import tensorboard -> ImportError
     runtime = Runtime(ProcessInfo(), None, torch.device("cpu"))

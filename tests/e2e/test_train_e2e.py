@@ -54,7 +54,7 @@ def test_train_mnist_two_processes(mnist_dir, tmp_path):
     assert summary["test_accuracy"] > 0.85  # 60 steps of 128 images already learn a lot
     assert summary["samples_per_s"] > 0 and summary["wall_s"] > 0
     # no hook at default: the bytes are every gradient once per step (DDP's built-in all-reduce)
-    from ddpkit.examples.mnist import MnistCNN
+    from ddpkit.app.mnist.model import MnistCNN
 
     grad_bytes = sum(p.numel() * p.element_size() for p in MnistCNN().parameters())
     assert summary["comm_bytes_per_step"] == grad_bytes

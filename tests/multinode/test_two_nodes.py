@@ -23,7 +23,7 @@ SCRIPT = """
 import sys, torch
 from torch.nn import functional as F
 import ddpkit
-from ddpkit.examples.mnist import MnistCNN
+from ddpkit.app.mnist.model import MnistCNN
 
 with ddpkit.init_runtime("gloo", init_timeout_s=60, train_timeout_s=60) as rt:
     g = torch.Generator().manual_seed(0)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from ddpkit.launch.failures import FailureRecord
+from ddpkit.diagnostics.failures import FailureRecord
 from ddpkit.launch.launcher import LaunchSpec
 from ddpkit.launch.summary import read_native_crash, summarize_failure
 
@@ -20,7 +20,7 @@ Fatal Python error: Aborted
 
 Thread 0x00007fdaa2ffd6c0 (most recent call first):
   File "/usr/lib/python3.11/threading.py", line 331 in wait
-  File "/site-packages/ddpkit/diagnostics/watchdog.py", line 182 in _run
+  File "/site-packages/ddpkit/distributed/watchdog.py", line 182 in _run
 
 Thread 0x00007fdad2418b80 (most recent call first):
   File "/site-packages/torch/distributed/distributed_c10d.py", line 3252 in all_reduce

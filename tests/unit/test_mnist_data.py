@@ -13,15 +13,15 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from ddpkit.errors import ConfigError, DataError
-from ddpkit.examples import mnist_data
-from ddpkit.examples.mnist_data import (
+from ddpkit.app.mnist import data as mnist_data
+from ddpkit.app.mnist.data import (
     MNIST_SHA256,
     download_mnist,
     load_idx_split,
     parse_idx,
     resolve_data,
 )
+from ddpkit.errors import ConfigError, DataError
 
 
 def _idx_bytes(array: np.ndarray) -> bytes:

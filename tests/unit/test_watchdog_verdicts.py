@@ -8,7 +8,7 @@ import threading
 
 import pytest
 
-from ddpkit.diagnostics.position import (
+from ddpkit.distributed.position import (
     BACKWARD,
     COLLECTIVE,
     RUNNING,
@@ -16,7 +16,7 @@ from ddpkit.diagnostics.position import (
     Position,
     locate,
 )
-from ddpkit.diagnostics.stall_report import describe, find_deadlock
+from ddpkit.distributed.stall_report import describe, find_deadlock
 
 
 def _in(op: str, group: str = "0", ranks=(0, 1), seq: int | None = 3, site: str = "t.py:1"):

@@ -357,7 +357,7 @@ def run_ranks(plan: dict, world_size: int, timeout_s: float) -> list[tuple[int, 
         DistributedError: a rank failed, died or ran past ``timeout_s``; every rank is killed
             and the message is one line naming the first failed rank.
     """
-    from ddpkit.testing.harness import DistributedTestError, run_distributed
+    from ddpkit.launch.spawn import DistributedTestError, run_distributed
 
     try:
         results = run_distributed(

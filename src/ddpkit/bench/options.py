@@ -90,7 +90,7 @@ def check_settings(
     if problems:
         raise ConfigError(f"bad benchmark settings: {'; '.join(problems)}.")
     if settings.data_dir is not None:
-        from ddpkit.examples.mnist_data import resolve_data
+        from ddpkit.app.mnist.data import resolve_data
 
         resolve_data("mnist", settings.data_dir, download=False)  # missing folder/files: exit 2
 

@@ -1,6 +1,6 @@
 """The MNIST CNN step loop in the forms ``ddpkit bench overhead`` and ``scaling`` compare.
 
-Every form does the same work: :class:`~ddpkit.examples.mnist.MnistCNN` from the same seed,
+Every form does the same work: :class:`~ddpkit.app.mnist.model.MnistCNN` from the same seed,
 ``ddpkit train``'s default optimizer (Adam, lr 3e-3, constant here), cross-entropy, ``batch_size``
 samples per rank per step, the same data order (``DistributedSampler`` semantics, seed 0, epoch 0:
 global step ``i`` trains on permutation positions ``[i*B*W, (i+1)*B*W)`` in every form), W
@@ -120,7 +120,7 @@ def run_form(form: str, nproc: int, settings: StepLoopSettings) -> dict:
     Raises:
         DistributedError: a rank failed, died or timed out; one line naming the form.
     """
-    from ddpkit.testing.harness import DistributedTestError, run_distributed
+    from ddpkit.launch.spawn import DistributedTestError, run_distributed
 
     try:
         results = run_distributed(
@@ -199,7 +199,7 @@ def _result(model: torch.nn.Module, seconds: float) -> dict:
 
 def _dataset(settings: StepLoopSettings, world_size: int) -> torch.utils.data.Dataset:
     if settings.data_dir is not None:
-        from ddpkit.examples.mnist_data import load_idx_split
+        from ddpkit.app.mnist.data import load_idx_split
 
         return load_idx_split(Path(settings.data_dir), "train", verify=False)
     num = world_size * settings.batch_size * (settings.num_steps + settings.num_warmup_steps)
@@ -245,7 +245,7 @@ def _raw_form(store: dist.Store, data, settings: StepLoopSettings, sync: bool) -
     from torch.nn.parallel import DistributedDataParallel
     from torch.utils.data import DataLoader, DistributedSampler
 
-    from ddpkit.examples.mnist import MnistCNN
+    from ddpkit.app.mnist.model import MnistCNN
 
     rank, world_size = _rank_world()
     device = _device()
@@ -275,9 +275,10 @@ def _raw_form(store: dist.Store, data, settings: StepLoopSettings, sync: bool) -
 def _ddpkit_form(
     store: dist.Store, data, settings: StepLoopSettings, compression: str, sync_every: int = 1
 ) -> dict:
+    from ddpkit.app.mnist.config import TrainConfig
+    from ddpkit.app.mnist.job import build_model_and_optimizer
     from ddpkit.distributed.process_group import init_runtime
     from ddpkit.distributed.sampler import build_train_loader
-    from ddpkit.examples.mnist import TrainConfig, build_model_and_optimizer
     from ddpkit.training.accumulation import GradientAccumulator
     from ddpkit.training.precision import MixedPrecision
 
@@ -310,7 +311,7 @@ def _accelerate_form(store: dist.Store, data, settings: StepLoopSettings) -> dic
     from accelerate import Accelerator
     from accelerate.utils import DataLoaderConfiguration, set_seed
 
-    from ddpkit.examples.mnist import MnistCNN
+    from ddpkit.app.mnist.model import MnistCNN
 
     _, world_size = _rank_world()
     with _default_group(store):
@@ -344,7 +345,7 @@ def _accelerate_form(store: dist.Store, data, settings: StepLoopSettings) -> dic
 
 
 def _fabric_form(store: dist.Store, data, settings: StepLoopSettings) -> dict:
-    from ddpkit.examples.mnist import MnistCNN
+    from ddpkit.app.mnist.model import MnistCNN
 
     Fabric = importlib.import_module(_module_of("fabric")).Fabric  # noqa: N806
 

@@ -28,7 +28,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from ddpkit.diagnostics.doctor import environment_report, report_as_dict, run_checks
+    from ddpkit.launch.doctor import environment_report, report_as_dict, run_checks
 
     env = environment_report()
     checks = run_checks(port=args.port, master=args.master)

@@ -15,8 +15,8 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from ddpkit.app.mnist.outputs import read_records
 from ddpkit.errors import ConfigError
-from ddpkit.examples.outputs import read_records
 from ddpkit.training.observe import PHASES
 
 PLOTS = ("loss.png", "accuracy.png", "throughput.png", "step_time.png")

@@ -17,6 +17,10 @@ from pathlib import Path
 
 import torch
 
+from ddpkit.app.mnist.config import TrainConfig, resume_settings
+from ddpkit.app.mnist.data import DATASETS, DataSource, resolve_data
+from ddpkit.app.mnist.job import train_mnist
+from ddpkit.app.mnist.model import OPTIMIZERS
 from ddpkit.checkpoint.io import read_manifest
 from ddpkit.checkpoint.manager import check_compatible, newest_manifest
 from ddpkit.cli.train_options import (
@@ -31,8 +35,6 @@ from ddpkit.cli.train_options import (
 from ddpkit.distributed.env import detect_process_info
 from ddpkit.distributed.process_group import BACKENDS
 from ddpkit.errors import ConfigError
-from ddpkit.examples.mnist import OPTIMIZERS, TrainConfig, resume_settings, train_mnist
-from ddpkit.examples.mnist_data import DATASETS, DataSource, resolve_data
 from ddpkit.files import unwritable_ancestor
 from ddpkit.launch.launcher import LaunchSpec, launch
 

@@ -11,9 +11,9 @@ from __future__ import annotations
 import argparse
 import math
 
+from ddpkit.app.mnist.config import TrainConfig
+from ddpkit.app.mnist.monitor import PROGRESS_MODES, TENSORBOARD_MODES
 from ddpkit.errors import ConfigError
-from ddpkit.examples.mnist import TrainConfig
-from ddpkit.examples.monitor import PROGRESS_MODES, TENSORBOARD_MODES
 from ddpkit.parallel.comm import GRAD_COMPRESSIONS
 from ddpkit.parallel.wrap import STRATEGIES
 from ddpkit.training.precision import PRECISIONS

@@ -30,7 +30,7 @@ import torch.distributed as dist
 if dist.is_available():
     import torch.distributed.nn.functional  # noqa: F401  (see above)
 
-from ddpkit.diagnostics.watchdog import Watchdog
+from ddpkit.diagnostics.failures import record_failure, stamp_failure_time
 from ddpkit.distributed.env import ProcessInfo, detect_process_info
 from ddpkit.distributed.rendezvous import (
     check_world_size_limit,
@@ -38,6 +38,7 @@ from ddpkit.distributed.rendezvous import (
     join,
     make_store,
 )
+from ddpkit.distributed.watchdog import Watchdog
 from ddpkit.errors import ConfigError, DistributedError
 from ddpkit.security.token import load_token
 
@@ -87,7 +88,7 @@ class Runtime:
         train_timeout_s: limit for one collective, in seconds.
         debug_collectives: compare shapes and dtypes across ranks before each ddpkit collective
             (see :mod:`ddpkit.distributed.collectives`; also ``DDPKIT_DEBUG_COLLECTIVES=1``).
-        watchdog: the deadlock and stall detector (:mod:`ddpkit.diagnostics.watchdog`), or
+        watchdog: the deadlock and stall detector (:mod:`ddpkit.distributed.watchdog`), or
             ``None`` (off, or a single process).
     """
 
@@ -177,7 +178,7 @@ class Runtime:
             else "turn the watchdog on (init_runtime's defaults) to learn which rank went silent"
         )
         if any(marker in detail for marker in _PEER_ENDED):
-            from ddpkit.diagnostics.position import collective_in_traceback
+            from ddpkit.distributed.position import collective_in_traceback
 
             mine = collective_in_traceback(exc) or op
             return DistributedError(
@@ -214,7 +215,6 @@ class Runtime:
     def __exit__(self, exc_type: object, exc: BaseException | None, tb: object) -> None:
         if exc is not None:  # before the teardown that makes the peers fail
             from ddpkit.diagnostics.translate import add_hint_note
-            from ddpkit.launch.failures import stamp_failure_time
 
             if self.watchdog is not None:  # a report ends this process: not a second cause
                 self.watchdog.wait_if_ending()
@@ -297,7 +297,7 @@ def init_runtime(
         info: the process coordinates; read from the environment when omitted.
         store: a rendezvous store to use instead of ``MASTER_ADDR``/``MASTER_PORT`` (e.g. a
             ``torch.distributed.FileStore`` shared by the ranks, as ddpkit's test harness does).
-        stall_timeout_s: the watchdog (:mod:`ddpkit.diagnostics.watchdog`, on by default)
+        stall_timeout_s: the watchdog (:mod:`ddpkit.distributed.watchdog`, on by default)
             ends the job with a report when a rank has waited in a collective this many seconds
             while another rank runs other code: it names the busy rank and shows its stack.
             ``0`` or ``None``: no stall reports.
@@ -374,6 +374,7 @@ def init_runtime(
                     dist.group.WORLD.group_name: "the default group",
                     group.group_name: "ddpkit's training group",
                 },
+                recorder=record_failure,
             ).start()
     except BaseException:
         dist.destroy_process_group()

@@ -25,10 +25,10 @@ import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
+from ddpkit.diagnostics.failures import LAUNCHER_PID_ENV, RUN_DIR_ENV, read_records
 from ddpkit.distributed.env import ProcessInfo
 from ddpkit.distributed.rendezvous import check_world_size_limit
 from ddpkit.errors import ConfigError
-from ddpkit.launch.failures import LAUNCHER_PID_ENV, RUN_DIR_ENV, read_records
 from ddpkit.launch.network import (
     NetworkPlan,
     host_rendezvous_store,

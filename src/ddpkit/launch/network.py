@@ -81,7 +81,7 @@ def tls_environment(spec: LaunchSpec) -> dict[str, str]:
     """
     if spec.tls is None:
         return {}
-    from ddpkit.diagnostics.doctor import check_gloo_tls
+    from ddpkit.launch.doctor import check_gloo_tls
 
     if not check_gloo_tls().ok:
         raise ConfigError(

@@ -1,6 +1,6 @@
 """The closing lines of a failed ``ddpkit run``: the first failure, what it means, how it ended.
 
-Sources: the failure records the workers wrote (:mod:`ddpkit.launch.failures`), torchrun's exit
+Sources: the failure records the workers wrote (:mod:`ddpkit.diagnostics.failures`), torchrun's exit
 codes, and for a rank that died from a signal the last bytes of its stderr
 (:mod:`ddpkit.launch.stderr_tail`): gloo's own message and ``faulthandler``'s stacks. A gloo
 abort with "Is there a distributed collective mismatch" is reported as that, naming each rank's
@@ -15,8 +15,8 @@ import signal
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from ddpkit.diagnostics.position import short_path
-from ddpkit.launch.failures import FailureRecord
+from ddpkit.diagnostics.failures import FailureRecord
+from ddpkit.distributed.position import short_path
 
 if TYPE_CHECKING:
     from ddpkit.launch.launcher import LaunchSpec

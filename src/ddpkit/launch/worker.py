@@ -5,7 +5,7 @@
 
 It runs the target as ``__main__`` (as ``python script.py`` would), and:
 
-- when an exception escapes: writes a :class:`~ddpkit.launch.failures.FailureRecord` (when
+- when an exception escapes: writes a :class:`~ddpkit.diagnostics.failures.FailureRecord` (when
   ``DDPKIT_RUN_DIR`` is set), prints the traceback with a ``[rank r/N]`` prefix, exits 1;
 - on every path: destroys any process group still alive, then leaves through ``os._exit`` after
   running ``atexit`` handlers and flushing stdio — see :func:`shutdown_and_exit` for why;
@@ -24,7 +24,15 @@ import sys
 
 # Before the user's script can create a process group: applies the import-order fix in there.
 import ddpkit.distributed.process_group  # noqa: F401
-from ddpkit.launch.failures import LAUNCHER_PID_ENV, RUN_DIR_ENV, make_record, write_record
+from ddpkit.diagnostics.failures import (
+    LAUNCHER_PID_ENV,
+    RUN_DIR_ENV,
+    make_record,
+    register_bootstrap_file,
+    write_record,
+)
+
+register_bootstrap_file(__file__)  # failure tracebacks start at the user's script
 
 
 def _exit_code(exc: SystemExit) -> int:

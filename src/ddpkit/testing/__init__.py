@@ -1,5 +1,5 @@
 """Test helpers for distributed code, public so users can test their own training code."""
 
-from ddpkit.testing.harness import DistributedTestError, run_distributed
+from ddpkit.launch.spawn import DistributedTestError, run_distributed
 
 __all__ = ["DistributedTestError", "run_distributed"]

@@ -19,7 +19,7 @@ from ddpkit.distributed.process_group import Runtime
 
 def main(argv: list[str]) -> None:
     if "--mnist" in argv:
-        from ddpkit.examples.mnist import MnistCNN
+        from ddpkit.app.mnist.model import MnistCNN
 
         model: torch.nn.Module = MnistCNN()
     else:

@@ -1,6 +1,6 @@
 """The training loop of one epoch: accumulation windows, mixed precision, guards, uneven inputs.
 
-Used by ``ddpkit train`` (:mod:`ddpkit.examples.mnist`) and usable with any classifier-style
+Used by ``ddpkit train`` (:mod:`ddpkit.app.mnist.job`) and usable with any classifier-style
 model whose loader yields ``(inputs, targets)``.
 """
 

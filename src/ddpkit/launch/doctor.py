@@ -77,7 +77,7 @@ def _loopback_rank(runtime) -> float:
 
 def check_loopback_allreduce() -> Check:
     """Two spawned gloo processes all-reduce over loopback (rendezvous through a FileStore)."""
-    from ddpkit.testing.harness import DistributedTestError, run_distributed
+    from ddpkit.launch.spawn import DistributedTestError, run_distributed
 
     try:
         results = run_distributed(_loopback_rank, 2, timeout_s=60, pg_timeout_s=30)

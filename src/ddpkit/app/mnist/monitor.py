@@ -2,7 +2,7 @@
 
 :class:`TrainingMonitor` composes the pieces ``train_mnist`` feeds at each optimizer step and
 epoch end; each piece is also usable alone (:func:`progress_bar`, :func:`open_tensorboard`,
-:func:`~ddpkit.examples.outputs.append_record`).
+:func:`~ddpkit.app.mnist.outputs.append_record`).
 """
 
 from __future__ import annotations
@@ -14,10 +14,10 @@ from typing import Any
 
 import torch
 
+from ddpkit.app.mnist.outputs import append_record
 from ddpkit.distributed.collectives import all_reduce_sum
 from ddpkit.distributed.process_group import Runtime
 from ddpkit.distributed.sampler import ShardedLoader
-from ddpkit.examples.outputs import append_record
 from ddpkit.log import get_logger
 from ddpkit.training.observe import StepTimer
 

@@ -47,7 +47,7 @@ PRELOAD = (
     "torch.nn.parallel",
     "torch.distributed.algorithms.ddp_comm_hooks",
     "ddpkit",
-    "ddpkit.testing.harness",
+    "ddpkit.launch.spawn",
 )
 
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import runpy
 import time
 import traceback
 from dataclasses import asdict, dataclass
@@ -79,17 +80,17 @@ def stamp_failure_time(exc: BaseException) -> None:
             pass
 
 
-def _bootstrap_files() -> set[str]:
-    import runpy
+_BOOTSTRAP_FILES = {runpy.__file__, "<frozen runpy>"}
 
-    from ddpkit.launch import worker
 
-    return {os.path.abspath(worker.__file__), runpy.__file__, "<frozen runpy>"}
+def register_bootstrap_file(path: str) -> None:
+    """Leave the frames of ``path`` (a launcher's worker bootstrap) out of failure tracebacks."""
+    _BOOTSTRAP_FILES.add(os.path.abspath(path))
 
 
 def _user_traceback(exc: BaseException) -> str:
     """The formatted traceback without the bootstrap's own frames (ddpkit's worker, runpy)."""
-    skip = _bootstrap_files()
+    skip = _BOOTSTRAP_FILES
     tb = exc.__traceback__
     while tb is not None and tb.tb_next is not None and tb.tb_frame.f_code.co_filename in skip:
         tb = tb.tb_next
@@ -117,7 +118,7 @@ def make_record(exc: BaseException, environ: dict[str, str] | None = None) -> Fa
 
 
 def _collective(exc: BaseException) -> str:
-    from ddpkit.diagnostics.position import collective_in_traceback
+    from ddpkit.distributed.position import collective_in_traceback
 
     seen: set[int] = set()
     while exc is not None and id(exc) not in seen:  # a translated error: look at its cause too
@@ -138,6 +139,16 @@ def write_record(record: FailureRecord, run_dir: str | os.PathLike[str]) -> Path
     tmp.write_text(json.dumps(asdict(record)))
     os.replace(tmp, path)
     return path
+
+
+def record_failure(exc: BaseException) -> None:
+    """Write the record of ``exc`` into the launcher's run folder (``$DDPKIT_RUN_DIR``), if any.
+
+    The recorder the watchdog is given (:func:`ddpkit.init_runtime`); a no-op outside ``ddpkit
+    run``.
+    """
+    if os.environ.get(RUN_DIR_ENV):
+        write_record(make_record(exc), os.environ[RUN_DIR_ENV])
 
 
 def read_records(run_dir: str | os.PathLike[str]) -> list[FailureRecord]:

@@ -2,14 +2,14 @@
 
 Each rank runs one background thread, on by default (:func:`ddpkit.init_runtime`). Every
 ``interval_s`` it samples the training thread's Python stack and classifies it
-(:func:`ddpkit.diagnostics.position.locate`): blocked in a torch.distributed collective (which
+(:func:`ddpkit.distributed.position.locate`): blocked in a torch.distributed collective (which
 operation, group, sequence number, tensor, and the user's ``file:line``), in ``backward()``
 waiting for DDP's gradient all-reduce, or running other code. No markers are needed: torch's own
 collectives on any group, DDP's and ddpkit's are all seen. The position goes into the rank's
 heartbeat in the rendezvous store. Then, while this rank is blocked:
 
 - **deadlock**: every rank is blocked and no collective has all of its group's ranks in it
-  (:func:`ddpkit.diagnostics.stall_report.find_deadlock`) -- the ranks called different
+  (:func:`ddpkit.distributed.stall_report.find_deadlock`) -- the ranks called different
   operations, groups or numbers of collectives, so none can ever finish. Once every rank has
   stayed put for ``deadlock_timeout_s`` (default 5 s) this is reported and the job ends;
 - **stall**: this rank has waited in one place longer than ``stall_timeout_s`` (default 300 s)
@@ -42,14 +42,14 @@ from typing import Any
 
 import torch.distributed as dist
 
-from ddpkit.diagnostics.position import Position, locate, sequence_number
-from ddpkit.diagnostics.stall_report import (
+from ddpkit.distributed.env import ProcessInfo
+from ddpkit.distributed.position import Position, locate, sequence_number
+from ddpkit.distributed.stall_report import (
     StallReport,
     deadlock_report,
     find_deadlock,
     stall_report,
 )
-from ddpkit.distributed.env import ProcessInfo
 from ddpkit.errors import ConfigError, DistributedError
 from ddpkit.log import get_logger
 
@@ -97,6 +97,9 @@ class Watchdog:
         groups: process groups whose sequence numbers count as progress (e.g. the training
             group; the default group always counts). Held by weak reference.
         group_labels: group name -> how reports call it (``"the default group"``).
+        recorder: called with the :class:`StallError` before the default ``on_stall`` ends the
+            process (``init_runtime`` passes :func:`ddpkit.diagnostics.failures.record_failure`,
+            which writes the launcher's failure record); ``None``: nothing recorded.
 
     Raises:
         ConfigError: ``interval_s`` not positive, or a timeout below two intervals.
@@ -113,6 +116,7 @@ class Watchdog:
         on_stall: Callable[[StallReport], None] | None = None,
         groups: tuple[Any, ...] = (),
         group_labels: dict[str, str] | None = None,
+        recorder: Callable[[BaseException], None] | None = None,
     ) -> None:
         timeouts = [t for t in (stall_timeout_s, deadlock_timeout_s) if t is not None]
         if not interval_s > 0 or not all(t >= 2 * interval_s for t in timeouts):
@@ -127,6 +131,7 @@ class Watchdog:
         self.interval_s = float(interval_s)
         self.on_stall = on_stall or self._report_and_exit
         self.group_labels = dict(group_labels or {})
+        self.recorder = recorder
         self._groups = [weakref.ref(g) for g in groups if g is not None]
         self._store = dist.PrefixStore(PREFIX, store)
         self._thread_id = threading.get_ident()
@@ -397,10 +402,8 @@ class Watchdog:
             time.sleep(0.02)
 
     def _record(self, error: StallError) -> None:
-        from ddpkit.launch.failures import RUN_DIR_ENV, make_record, write_record
-
-        if os.environ.get(RUN_DIR_ENV):
-            write_record(make_record(error), os.environ[RUN_DIR_ENV])
+        if self.recorder is not None:
+            self.recorder(error)
 
     def _exit(self, error: StallError, recorded: bool = False) -> None:
         self._ending.set()

@@ -1,0 +1,1 @@
+"""The MNIST job of ``ddpkit train``: config, data, model, the job itself, its outputs."""

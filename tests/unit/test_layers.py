@@ -1,0 +1,94 @@
+"""The import direction between ddpkit's packages: each layer imports only itself and below.
+
+An AST walk over every module of ``src/ddpkit`` (imports inside functions count too). The core
+library must stay usable in a user's own loop without the launcher, the CLI, the MNIST app, the
+benchmarks or the test helpers; a new upward import fails here with the file, line and names.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import ddpkit
+
+PACKAGE = Path(ddpkit.__file__).resolve().parent
+
+# lowest first; a module may import from its own layer and any layer before it
+LAYERS = (
+    ("errors", "files"),
+    # the library: what a user's own loop imports (``ddpkit/__init__.py`` is its public face)
+    (
+        "__init__",
+        "log",
+        "security",
+        "diagnostics",
+        "distributed",
+        "parallel",
+        "training",
+        "guards",
+        "checkpoint",
+    ),
+    ("launch",),  # ddpkit run, the worker bootstrap, the process spawner, doctor
+    ("app",),  # the MNIST job of ddpkit train
+    ("cli", "bench", "testing", "__main__"),
+)
+LAYER_OF = {name: index for index, names in enumerate(LAYERS) for name in names}
+
+
+def _top(module: str) -> str | None:
+    """``ddpkit.distributed.env`` -> ``distributed``; ``ddpkit`` -> ``__init__``; else None."""
+    parts = module.split(".")
+    if parts[0] != "ddpkit":
+        return None
+    return parts[1] if len(parts) > 1 else "__init__"
+
+
+def _imports(path: Path, root: Path) -> list[tuple[int, str]]:
+    """(line, module) of every import in ``path`` (a module under ``root``), relative resolved."""
+    package = ["ddpkit", *path.relative_to(root).parent.parts]
+    found = []
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            found += [(node.lineno, alias.name) for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = package[: len(package) - node.level + 1] if node.level else []
+            module = ".".join([*base, *([node.module] if node.module else [])])
+            found.append((node.lineno, module))
+    return found
+
+
+def upward_imports(root: Path = PACKAGE) -> list[str]:
+    """Every import from a higher layer, as ``file:line: pkg (layer) imports mod (layer)``."""
+    problems = []
+    for path in sorted(root.rglob("*.py")):
+        relative = path.relative_to(root)
+        own = relative.parts[0].removesuffix(".py")
+        assert own in LAYER_OF, f"{relative}: put its package in a layer of LAYERS"
+        for line, module in _imports(path, root):
+            target = _top(module)
+            if target is not None and LAYER_OF[target] > LAYER_OF[own]:
+                problems.append(
+                    f"{relative}:{line}: {own} (layer {LAYER_OF[own]}) imports {module} "
+                    f"(layer {LAYER_OF[target]})"
+                )
+    return problems
+
+
+def test_no_package_imports_from_a_higher_layer():
+    assert upward_imports() == []
+
+
+def test_an_upward_import_is_reported_even_inside_a_function(tmp_path):
+    # the usual way an upward import sneaks in is deferred or relative; the walk must see both
+    core = tmp_path / "distributed"
+    core.mkdir()
+    (core / "x.py").write_text(
+        "from ddpkit.errors import ConfigError\n"
+        "def f():\n    from ddpkit.launch import worker\n"
+        "def g():\n    from ..cli import main\n"
+    )
+    assert upward_imports(tmp_path) == [
+        "distributed/x.py:3: distributed (layer 1) imports ddpkit.launch (layer 2)",
+        "distributed/x.py:5: distributed (layer 1) imports ddpkit.cli (layer 4)",
+    ]
