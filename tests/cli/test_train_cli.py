@@ -12,11 +12,11 @@ from tests.helpers import run_cli, run_main
     [
         (["--data-dir", "{tmp}/no-such-dir"], "data dir not found"),
         (["--dataset", "cifar"], "argument --dataset: invalid choice: 'cifar'"),
-        (["--nproc", "0"], "--nproc 0 must be >= 1"),
+        (["--nproc", "0"], "nproc=0 must be >= 1"),
         (["--batch-size", "sixty-four"], "argument --batch-size: invalid int value"),
         (["--output-dir", "{tmp}/a-file/out"], "is a file, not a folder"),
-        (["--epochs", "0", "--lr", "-1"], "--epochs 0 must be >= 1; --lr -1.0 must be a finite"),
-        (["--train-timeout", "inf"], "--train-timeout inf must be a finite number > 0"),
+        (["--epochs", "0", "--lr", "-1"], "epochs=0 must be >= 1. lr=-1.0 must be a finite"),
+        (["--train-timeout", "inf"], "train_timeout=inf must be a finite number > 0"),
         (["--bogus", "1"], "ddpkit train: error: unrecognized arguments: --bogus 1"),
     ],
 )

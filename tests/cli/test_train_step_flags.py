@@ -11,17 +11,17 @@ from tests.helpers import run_main
 @pytest.mark.parametrize(
     "extra,expected",
     [
-        (["--grad-accum", "0"], "--grad-accum 0 must be >= 1"),
-        (["--clip-grad-norm", "-1"], "--clip-grad-norm -1.0 must be a finite number >= 0"),
-        (["--clip-grad-norm", "nan"], "--clip-grad-norm nan must be a finite number >= 0"),
+        (["--grad-accum", "0"], "grad_accum=0 must be >= 1"),
+        (["--clip-grad-norm", "-1"], "clip_grad_norm=-1.0 must be a finite number >= 0"),
+        (["--clip-grad-norm", "nan"], "clip_grad_norm=nan must be a finite number >= 0"),
         (["--precision", "8"], "argument --precision: invalid choice: '8'"),
         (
             ["--static-graph", "--grad-accum", "2"],
-            "--static-graph cannot be combined with --grad-accum 2",
+            "static_graph=True with grad_accum=2. torch's DDP breaks no_sync",
         ),
         (
             ["--precision", "16-mixed", "--on-nonfinite", "skip"],
-            "--precision 16-mixed needs --on-nonfinite off (got skip)",
+            "precision='16-mixed' with on_nonfinite='skip'. The loss scaler already skips",
         ),
     ],
 )

@@ -20,26 +20,32 @@ NUM_CUDA = torch.cuda.device_count() if torch.cuda.is_available() else 0
     [
         (["--grad-compression", "int8"], "argument --grad-compression: invalid choice: 'int8'"),
         (["--strategy", "fsdp"], "argument --strategy: invalid choice: 'fsdp'"),
-        (["--bucket-cap-mb", "0"], "--bucket-cap-mb 0.0 must be a finite number > 0"),
-        (["--powersgd-start-step", "1"], "--powersgd-start-step 1 must be >= 2"),
-        (["--sync-every", "0"], "--sync-every 0 must be >= 1"),
+        (["--bucket-cap-mb", "0"], "bucket_cap_mb=0.0 must be a finite number > 0"),
+        (["--powersgd-start-step", "1"], "powersgd_start_step=1 must be >= 2"),
+        (["--sync-every", "0"], "sync_every=0 must be >= 1"),
         (
             ["--sync-every", "4", "--check-replicas-every", "6"],
-            "--check-replicas-every 6 must be a multiple of --sync-every 4",
+            "check_replicas_every=6 with sync_every=4. It must be a multiple of sync_every",
         ),
         (
             ["--sync-every", "4", "--checkpoint-every", "10"],
-            "--checkpoint-every 10 must be a multiple of --sync-every 4",
+            "checkpoint_every=10 with sync_every=4. It must be a multiple of sync_every",
         ),
-        (["--sync-every", "2", "--grad-compression", "fp16"], "local SGD sends no gradients"),
-        (["--sync-every", "2", "--join"], "--sync-every 2 with --join: Join cannot stand in"),
-        (["--sync-every", "2", "--static-graph"], "--sync-every 2 with --static-graph: DDP fails"),
-        (["--strategy", "single", "--nproc", "2"], "--strategy single runs in one process"),
-        (["--strategy", "ddp", "--nproc", "1"], "--strategy ddp needs --nproc 2 or more"),
+        (["--sync-every", "2", "--grad-compression", "fp16"], "Local SGD sends no gradients"),
+        (["--sync-every", "2", "--join"], "sync_every=2 with join=True. Join cannot stand in"),
+        (["--sync-every", "2", "--static-graph"], "sync_every=2 with static_graph=True. DDP fails"),
+        (
+            ["--strategy", "single", "--nproc", "2"],
+            "strategy='single' with world_size=2. It runs in one process",
+        ),
+        (
+            ["--strategy", "ddp", "--nproc", "1"],
+            "strategy='ddp' with world_size=1. It needs 2 or more processes",
+        ),
         (
             ["--nproc", "1", "--grad-compression", "fp16", "--sync-batchnorm"],
-            "--grad-compression, --sync-batchnorm configure DDP's gradient sync, and "
-            "strategy=single (--nproc 1) has none",
+            "grad_compression='fp16', sync_batchnorm=True with strategy='single' "
+            "(world_size=1). These configure DDP's gradient sync, and strategy 'single' has none",
         ),
         pytest.param(
             ["--strategy", "dp"],

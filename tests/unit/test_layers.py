@@ -16,7 +16,7 @@ PACKAGE = Path(ddpkit.__file__).resolve().parent
 
 # lowest first; a module may import from its own layer and any layer before it
 LAYERS = (
-    ("errors", "files"),
+    ("errors", "files", "settings"),
     # the library: what a user's own loop imports (``ddpkit/__init__.py`` is its public face)
     (
         "__init__",

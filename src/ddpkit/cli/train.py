@@ -1,7 +1,8 @@
 """``ddpkit train``: the MNIST CNN with DDP on N local processes (the main job).
 
-The command validates everything and resolves the data *before* any worker starts, then either
-launches N ranks through ``ddpkit run`` (which re-enter this command as workers), or — when it is
+The command resolves the settings (defaults, then a ``--config`` TOML file, then the flags
+given), checks them, and resolves the data *before* any worker starts; then it either launches N
+ranks through ``ddpkit run``, handing each the resolved settings as a TOML file, or — when it is
 already inside a launched job (``torchrun -m ddpkit train``) — trains in this process.
 """
 
@@ -9,36 +10,24 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import math
 import os
 import sys
-from dataclasses import fields
+import tempfile
 from pathlib import Path
 
 import torch
 
-from ddpkit.app.mnist.config import TrainConfig, resume_settings
-from ddpkit.app.mnist.data import DATASETS, DataSource, resolve_data
+from ddpkit.app.mnist.config import SECTIONS, TrainConfig, check, resume_settings
+from ddpkit.app.mnist.data import DataSource, resolve_data
 from ddpkit.app.mnist.job import train_mnist
-from ddpkit.app.mnist.model import OPTIMIZERS
 from ddpkit.checkpoint.io import read_manifest
 from ddpkit.checkpoint.manager import check_compatible, newest_manifest
-from ddpkit.cli.train_options import (
-    add_observe_arguments,
-    add_step_arguments,
-    add_wrap_arguments,
-    check_strategy,
-    observe_problems,
-    step_problems,
-    wrap_problems,
-)
+from ddpkit.cli.flags import add_settings_arguments, given_settings
 from ddpkit.distributed.env import detect_process_info
-from ddpkit.distributed.process_group import BACKENDS
-from ddpkit.errors import ConfigError
-from ddpkit.files import unwritable_ancestor
 from ddpkit.launch.launcher import LaunchSpec, launch
+from ddpkit.settings import read_toml, to_toml
 
-WORKER_FLAG = "--_worker"
+WORKER_FLAG = "--_worker"  # its value: the resolved settings file the parent wrote for its ranks
 
 
 def default_nproc() -> int:
@@ -47,7 +36,6 @@ def default_nproc() -> int:
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
-    defaults = TrainConfig()
     parser = subparsers.add_parser(
         "train",
         help="train the MNIST CNN with DDP on N local processes",
@@ -57,205 +45,97 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         "(with tensorboard installed) tensorboard/ to --output-dir.",
     )
     parser.add_argument(
-        "--nproc",
-        type=int,
-        default=None,
-        metavar="N",
-        help="local processes (default: one per GPU on CUDA, else 2)",
-    )
-    parser.add_argument("--epochs", type=int, default=defaults.epochs, help="passes over the data")
-    parser.add_argument(
-        "--batch-size",
-        type=int,
-        default=defaults.batch_size,
-        metavar="B",
-        help=f"samples per rank per step (default {defaults.batch_size}); "
-        "global batch = B x world size",
+        "--config",
+        metavar="FILE",
+        help="read settings from a TOML file, one [section] per group below (ddpkit train "
+        "--print-config writes one); flags given on the command line override it",
     )
     parser.add_argument(
-        "--lr",
-        type=float,
-        default=defaults.lr,
-        help=f"peak learning rate of the one-cycle schedule (default {defaults.lr})",
-    )
-    parser.add_argument("--optimizer", choices=OPTIMIZERS, default=defaults.optimizer)
-    parser.add_argument(
-        "--seed",
-        type=int,
-        default=defaults.seed,
-        help="seed of model init and data order (same on every rank)",
-    )
-    parser.add_argument(
-        "--dataset",
-        choices=DATASETS,
-        default="auto",
-        help="auto: MNIST (data dir, cache or download), else the 8x8 digits",
-    )
-    parser.add_argument(
-        "--data-dir",
-        default=None,
-        metavar="DIR",
-        help="folder holding the four MNIST IDX files (raw or .gz)",
-    )
-    parser.add_argument(
-        "--no-download",
+        "--print-config",
         action="store_true",
-        help="never download MNIST; use the cache or --data-dir",
+        help="print the resolved settings as TOML (a start for --config) and exit",
     )
-    parser.add_argument(
-        "--output-dir",
-        default=defaults.output_dir,
-        metavar="DIR",
-        help=f"where outputs go (default {defaults.output_dir})",
-    )
-    parser.add_argument(
-        "--backend",
-        choices=BACKENDS,
-        default="auto",
-        help="auto: nccl when each local rank has a GPU, else gloo",
-    )
-    parser.add_argument(
-        "--init-timeout",
-        type=float,
-        default=300.0,
-        metavar="SECONDS",
-        help="how long ranks wait for each other to join (default 300)",
-    )
-    parser.add_argument(
-        "--train-timeout",
-        type=float,
-        default=1800.0,
-        metavar="SECONDS",
-        help="how long one collective may wait (default 1800)",
-    )
-    parser.add_argument(
-        "--stall-timeout",
-        type=float,
-        default=300.0,
-        metavar="SECONDS",
-        help="watchdog: a rank waiting in a collective longer than this while another rank "
-        "runs other code ends the job with a report naming the busy rank and its Python stack; "
-        "ranks stuck in collectives that cannot match end it after 5 s (default 300; 0 = "
-        "watchdog off)",
-    )
-    parser.add_argument(
-        "--max-steps",
-        type=int,
-        default=0,
-        metavar="S",
-        help="stop each epoch after S steps (0 = whole epoch); for quick checks",
-    )
-    parser.add_argument(
-        "--checkpoint-every",
-        type=int,
-        default=0,
-        metavar="STEPS",
-        help="save a checkpoint to OUTPUT_DIR/checkpoints every STEPS optimizer steps "
-        "(0 = never; keeps the last 3)",
-    )
-    parser.add_argument(
-        "--resume",
-        default="",
-        metavar="auto|PATH",
-        help="resume from the newest complete checkpoint in OUTPUT_DIR (auto) or from PATH",
-    )
-    parser.add_argument(
-        "--max-restarts",
-        type=int,
-        default=0,
-        metavar="R",
-        help="restart all ranks up to R times after a failure; with --checkpoint-every they "
-        "resume from the newest complete checkpoint (default 0)",
-    )
-    parser.add_argument(
-        "--on-nonfinite",
-        choices=("raise", "skip", "off"),
-        default="off",
-        help="NaN/Inf loss or gradient on any rank: every rank raises naming the rank and step, "
-        "every rank skips that step, or no check (default; the check adds one small all-reduce, "
-        "a synchronisation point, per step: about 7%% of the MNIST step time on 2 CPU cores)",
-    )
-    parser.add_argument(
-        "--check-replicas-every",
-        type=int,
-        default=0,
-        metavar="N",
-        help="compare parameter checksums across ranks every N steps (0 = never)",
-    )
-    add_wrap_arguments(parser, defaults)
-    add_step_arguments(parser, defaults)
-    add_observe_arguments(parser, defaults)
-    parser.add_argument(WORKER_FLAG, action="store_true", help=argparse.SUPPRESS)
+    add_settings_arguments(parser, SECTIONS)
+    parser.add_argument(WORKER_FLAG, default=None, help=argparse.SUPPRESS)
     parser.set_defaults(handler=run)
 
 
-def config_from_args(args: argparse.Namespace) -> TrainConfig:
-    """Build and validate the config; one :class:`ConfigError` lists every problem."""
-    problems = []
-    for name in ("epochs", "batch_size"):
-        if getattr(args, name) < 1:
-            problems.append(f"--{name.replace('_', '-')} {getattr(args, name)} must be >= 1")
-    if args.nproc is not None and args.nproc < 1:
-        problems.append(f"--nproc {args.nproc} must be >= 1")
-    for name in ("lr", "init_timeout", "train_timeout"):
-        value = getattr(args, name)
-        if not (math.isfinite(value) and value > 0):
-            problems.append(f"--{name.replace('_', '-')} {value} must be a finite number > 0")
-    if args.max_steps < 0:
-        problems.append(f"--max-steps {args.max_steps} must be >= 0")
-    if not (
-        math.isfinite(args.stall_timeout) and (args.stall_timeout == 0 or args.stall_timeout >= 2)
-    ):
-        problems.append(f"--stall-timeout {args.stall_timeout} must be 0 (off) or >= 2 seconds")
-    for name in ("checkpoint_every", "max_restarts", "check_replicas_every"):
-        if getattr(args, name) < 0:
-            problems.append(f"--{name.replace('_', '-')} {getattr(args, name)} must be >= 0")
-    if args.resume not in ("", "auto") and not Path(args.resume).is_dir():
-        problems.append(f"--resume {args.resume} is neither 'auto' nor a checkpoint folder")
-    problems += wrap_problems(args)
-    problems += step_problems(args)
-    problems += observe_problems(args)
-    problem = _output_dir_problem(Path(args.output_dir))
-    if problem:
-        problems.append(problem)
-    if problems:
-        raise ConfigError(f"invalid arguments: {'; '.join(problems)}")
-    return TrainConfig(**{f.name: getattr(args, f.name) for f in fields(TrainConfig)})
+def resolve_config(args: argparse.Namespace) -> TrainConfig:
+    """The defaults, overridden by the ``--config`` file, overridden by the flags given; a
+    worker takes the file its parent resolved. Not yet checked (see :func:`check`)."""
+    if args._worker:
+        return TrainConfig(**read_toml(args._worker, SECTIONS))
+    from_file = read_toml(args.config, SECTIONS) if args.config else {}
+    return TrainConfig(**{**from_file, **given_settings(args, SECTIONS)})
 
 
-def _output_dir_problem(path: Path) -> str | None:
-    """Why ``path`` cannot be an output folder, checked without creating anything."""
-    blocked = unwritable_ancestor(path)
-    if blocked is None:
-        return None
-    probe, why = blocked
-    if why == "not a folder":
-        return f"--output-dir {path} is not usable: {probe} is a file, not a folder"
-    return f"--output-dir {path} is not writable (no write permission on {probe})"
+def run(args: argparse.Namespace) -> int:
+    config = resolve_config(args)
+    restarted = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") != "0"
+    if restarted and config.checkpoint_every:  # a restart continues from the newest, never redoes
+        config = dataclasses.replace(config, resume="auto")
+    if args._worker:  # a rank started by the launcher below: the parent already resolved data
+        source = resolve_data(config.dataset, config.data_dir, download=False)
+        return _train_here(config, source, worker=True)
+    if args.print_config:
+        check(config)
+        print(to_toml(config, SECTIONS), end="")
+        return 0
+    info = detect_process_info()
+    one_process = config.strategy in ("single", "dp")  # their default is --nproc 1
+    nproc = config.nproc or (1 if one_process else default_nproc())
+    nproc = info.world_size if info.is_distributed else nproc
+    check(config, world_size=nproc)
+    if config.strategy == "dp":
+        from ddpkit.parallel.dp import check_dp_possible
+
+        check_dp_possible(1)  # the CUDA devices: known here, before any worker starts
+    source = resolve_data(config.dataset, config.data_dir, download=config.download)
+    _check_resume(config, source, nproc)
+    Path(config.output_dir).mkdir(parents=True, exist_ok=True)
+    if info.is_distributed:  # torchrun -m ddpkit train, or srun -n 2
+        return _train_here(config, source, worker=False)
+    if nproc == 1 and not config.max_restarts:  # restarts are torchrun's: those go through it
+        return _train_here(config, source, worker=False)
+    return _launch(config, source, nproc)
 
 
-def _worker_argv(args: argparse.Namespace, source: DataSource) -> list[str]:
-    """The user's own ``train`` arguments, plus the data source the parent resolved."""
-    argv = ["-m", "ddpkit", *args.argv, WORKER_FLAG, "--dataset", source.dataset]
-    if source.directory is not None:
-        argv += ["--data-dir", str(source.directory)]
-    return argv  # argparse keeps the last occurrence of a repeated option
+def _launch(config: TrainConfig, source: DataSource, nproc: int) -> int:
+    """Start ``nproc`` ranks that each read the settings resolved here (data source included)."""
+    if source.note:
+        print(source.note, flush=True)
+    if config.max_restarts and not config.checkpoint_every:
+        print(
+            "ddpkit train: warning: --max-restarts without --checkpoint-every: a restarted job "
+            "starts again from step 0",
+            file=sys.stderr,
+            flush=True,
+        )
+    directory = None if source.directory is None else str(source.directory)
+    resolved = dataclasses.replace(
+        config, nproc=nproc, dataset=source.dataset, data_dir=directory, download=False
+    )
+    with tempfile.TemporaryDirectory(prefix="ddpkit-train-") as folder:
+        path = Path(folder) / "config.toml"
+        path.write_text(to_toml(resolved, SECTIONS))
+        target = ["-m", "ddpkit", "train", WORKER_FLAG, str(path)]
+        return launch(LaunchSpec(target=target, nproc=nproc, max_restarts=config.max_restarts))
 
 
-def _train_here(args: argparse.Namespace, config: TrainConfig, source: DataSource) -> int:
+def _train_here(config: TrainConfig, source: DataSource, *, worker: bool) -> int:
     from ddpkit.distributed.process_group import init_runtime
     from ddpkit.log import configure_logging, get_logger
 
-    on = bool(args.stall_timeout)  # 0 = the watchdog off: no stall and no deadlock reports
+    on = bool(config.stall_timeout)  # 0 = the watchdog off: no stall and no deadlock reports
     with init_runtime(
-        args.backend,
-        args.init_timeout,
-        args.train_timeout,
-        stall_timeout_s=args.stall_timeout if on else None,
+        config.backend,
+        config.init_timeout,
+        config.train_timeout,
+        stall_timeout_s=config.stall_timeout if on else None,
         deadlock_timeout_s=5.0 if on else None,
     ) as runtime:
         configure_logging(runtime.info)
-        if source.note and not args._worker:
+        if source.note and not worker:
             get_logger("train").info(source.note)
         train_mnist(config, runtime, source)
     return 0
@@ -272,40 +152,3 @@ def _check_resume(config: TrainConfig, source: DataSource, nproc: int) -> None:
     if found is not None:
         settings = {**resume_settings(config), "dataset": source.dataset}
         check_compatible(found[0], found[1], nproc, settings)
-
-
-def run(args: argparse.Namespace) -> int:
-    config = config_from_args(args)
-    restarted = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") != "0"
-    if restarted and config.checkpoint_every:  # a restart continues from the newest, never redoes
-        config = dataclasses.replace(config, resume="auto")
-    if args._worker:  # a rank started by the launcher below: the parent already resolved data
-        return _train_here(args, config, resolve_data(args.dataset, args.data_dir, download=False))
-    source = resolve_data(args.dataset, args.data_dir, download=not args.no_download)
-    info = detect_process_info()
-    one_process = args.strategy in ("single", "dp")  # their default is --nproc 1
-    nproc = (
-        info.world_size
-        if info.is_distributed
-        else args.nproc or (1 if one_process else default_nproc())
-    )
-    check_strategy(config, nproc)
-    _check_resume(config, source, nproc)
-    Path(config.output_dir).mkdir(parents=True, exist_ok=True)
-    if info.is_distributed:  # torchrun -m ddpkit train, or srun -n 2
-        return _train_here(args, config, source)
-    if nproc == 1 and not args.max_restarts:  # restarts are torchrun's: those go through it
-        return _train_here(args, config, source)
-    if source.note:
-        print(source.note, flush=True)
-    if args.max_restarts and not args.checkpoint_every:
-        print(
-            "ddpkit train: warning: --max-restarts without --checkpoint-every: a restarted job "
-            "starts again from step 0",
-            file=sys.stderr,
-            flush=True,
-        )
-    spec = LaunchSpec(
-        target=_worker_argv(args, source), nproc=nproc, max_restarts=args.max_restarts
-    )
-    return launch(spec)

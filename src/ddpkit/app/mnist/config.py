@@ -1,124 +1,398 @@
-"""The settings of ``ddpkit train`` (one :class:`TrainConfig`) and their cross-field checks."""
+"""The settings of ``ddpkit train``: one :class:`TrainConfig` made of sections, and :func:`check`.
+
+Every flag of ``ddpkit train`` is a field here, declared once with its help, default, allowed
+values and (``resume=True``) whether a resumed run must keep it. The command-line flags, the
+``--config`` TOML file (one ``[section]`` per class below) and the resume-compatibility keys
+are all generated from these fields; every rule that ties two fields together is in
+:func:`check`.
+
+Example::
+
+    config = TrainConfig(epochs=2, grad_accum=4)   # flat: each section's fields are TrainConfig's
+    check(config, world_size=2)                     # raises ConfigError naming what is wrong
+"""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 
+from ddpkit.app.mnist.data import DATASETS
+from ddpkit.app.mnist.model import OPTIMIZERS
+from ddpkit.app.mnist.monitor import PROGRESS_MODES, TENSORBOARD_MODES
+from ddpkit.distributed.process_group import BACKENDS
 from ddpkit.errors import ConfigError
+from ddpkit.files import unwritable_ancestor
+from ddpkit.parallel.comm import GRAD_COMPRESSIONS
+from ddpkit.parallel.wrap import STRATEGIES
+from ddpkit.settings import at_least, field_problems, finite, option, resume_keys
+from ddpkit.training.precision import PRECISIONS
+
+
+def _output_dir_rule(path: str) -> str | None:
+    """Why ``path`` cannot be an output folder, checked without creating anything."""
+    blocked = unwritable_ancestor(Path(path))
+    if blocked is None:
+        return None
+    probe, why = blocked
+    if why == "not a folder":
+        return f"is not usable: {probe} is a file, not a folder"
+    return f"is not writable (no write permission on {probe})"
+
+
+def _stall_rule(seconds: float) -> str | None:
+    ok = seconds == 0 or (seconds >= 2 and seconds != float("inf"))
+    return None if ok else "must be 0 (off) or a finite number >= 2 (seconds)"
+
+
+def _resume_rule(value: str) -> str | None:
+    ok = value in ("", "auto") or Path(value).is_dir()
+    return None if ok else "is neither '' (start fresh), 'auto' nor a checkpoint folder"
 
 
 @dataclass(frozen=True)
-class TrainConfig:
-    """Settings of one training job (the ``ddpkit train`` flags).
+class RunConfig:
+    """the training run"""
 
-    Attributes:
-        epochs: passes over the training set.
-        batch_size: samples per rank per step (global batch = batch_size * world_size).
-        lr: peak learning rate of the one-cycle schedule.
-        optimizer: ``adam``, ``adamw`` or ``sgd`` (momentum 0.9).
-        seed: seeds the model initialisation and the shuffle; the same on every rank.
-        output_dir: where metrics.jsonl, summary.json and model.pt are written (rank 0 only).
-        max_steps: stop each epoch after this many steps (0 = no limit); for quick checks.
-        checkpoint_every: save a checkpoint to ``output_dir/checkpoints`` every this many
-            optimizer steps (0 = never).
-        resume: ``""`` (start fresh), ``"auto"`` (the newest complete checkpoint, if any) or the
-            path of a checkpoint folder.
-        on_nonfinite: ``raise`` (every rank stops, naming the rank and step), ``skip`` (every
-            rank skips that step) or ``off`` (no check, the default) for a NaN/Inf loss or
-            gradient.
-        check_replicas_every: compare parameter checksums across ranks every this many steps
-            (0 = never); raises naming the rank and parameters that differ. With
-            ``sync_every`` > 1 it must be a multiple of it (checked right after averaging).
-        strategy: ``auto`` (ddp for several processes, else single), ``single``, ``ddp`` or
-            ``dp`` (DataParallel over 2+ GPUs in one process; ddp is recommended).
-        bucket_cap_mb: DDP gradient bucket size in MiB (``None``: torch's default, 25 MiB
-            with a 1 MiB first bucket).
-        grad_as_bucket_view: gradients are views into DDP's buckets (saves one copy and
-            the memory of the gradients).
-        grad_compression: ``none``, ``fp16``, ``bf16`` or ``powersgd``: how DDP all-reduces
-            gradients (torch's comm hooks).
-        powersgd_rank: rank of PowerSGD's low-rank factors.
-        powersgd_start_step: optimizer steps with plain all-reduce before PowerSGD starts.
-        sync_every: H; 1 = all-reduce gradients every step (plain DDP); H >= 2 = local SGD,
-            parameters averaged every H steps and at the end of each epoch.
-        sync_batchnorm: convert BatchNorm layers to synchronised ones (the MNIST CNN has none:
-            a no-op, with a log line).
-        grad_accum: micro-batches per optimizer step (K >= 1); forward and backward of the
-            first K-1 run without gradient sync; the loss is the mean over the global batch
-            of the K micro-batches of every rank. Steps (``max_steps``, ``checkpoint_every``,
-            the LR schedule) count optimizer steps.
-        precision: ``32``, ``bf16-mixed`` (autocast to bfloat16) or ``16-mixed`` (float16
-            autocast with a GradScaler whose skip decisions every rank shares).
-        clip_grad_norm: clip the total L2 norm of the unscaled gradients to this before each
-            optimizer step (0 = off).
-        find_unused_parameters: DDP's option for models whose forward skips parameters on
-            some steps (a graph traversal per step).
-        static_graph: DDP's option for models whose set of used parameters never changes.
-        join: train each epoch inside torch's ``Join`` (ranks may have different numbers of
-            batches); the ``ddpkit train`` loader is even anyway, so this only adds Join's
-            bookkeeping: two small all-reduces per forward (torch 2.13's DDP).
-        step_timing: split each step's time into data wait, forward, backward (with DDP's
-            overlapped all-reduce) and optimizer (:class:`~ddpkit.StepTimer`); each epoch
-            record gets ``<phase>_s_per_step`` (seconds). Free on CPU; on CUDA it
-            synchronizes the device at each phase boundary.
-        log_every: write a step record (loss, global samples/s, lr) to steps.jsonl/csv
-            every this many optimizer steps (0 = none).
-        progress: ``auto`` (a rank-0 progress bar when stderr is a terminal), ``on``, ``off``.
-        tensorboard: ``auto`` (event files in ``output_dir/tensorboard`` when the
-            ``tensorboard`` package is installed) or ``off``.
+    epochs: int = option(1, "passes over the data", check=at_least(1), resume=True)
+    batch_size: int = option(
+        64, "samples per rank per step (default %(default)s); global batch = B x world size",
+        check=at_least(1), resume=True, metavar="B",
+    )  # fmt: skip
+    lr: float = option(
+        3e-3, "peak learning rate of the one-cycle schedule (default %(default)s)",
+        check=finite(above=0), resume=True,
+    )  # fmt: skip
+    optimizer: str = option("adam", "adam, adamw or sgd (momentum 0.9)", choices=OPTIMIZERS,
+                            resume=True)  # fmt: skip
+    seed: int = option(0, "seed of model init and data order (same on every rank)", resume=True)
+    max_steps: int = option(
+        0, "stop each epoch after S steps (0 = whole epoch); for quick checks",
+        check=at_least(0), resume=True, metavar="S",
+    )  # fmt: skip
+    output_dir: str = option(
+        "runs/mnist", "where outputs go (default %(default)s)", check=_output_dir_rule,
+        metavar="DIR",
+    )  # fmt: skip
+
+
+@dataclass(frozen=True)
+class DataConfig:
+    """the data set"""
+
+    dataset: str = option(
+        "auto", "auto: MNIST (data dir, cache or download), else the 8x8 digits", choices=DATASETS
+    )
+    data_dir: str | None = option(
+        None, "folder holding the four MNIST IDX files (raw or .gz)", metavar="DIR"
+    )
+    download: bool = option(
+        True, "never download MNIST; use the cache or --data-dir (in --config: download = "
+        "false)", flag="--no-download",
+    )  # fmt: skip
+
+
+@dataclass(frozen=True)
+class LaunchConfig:
+    """the local processes"""
+
+    nproc: int | None = option(
+        None, "local processes (default: one per GPU on CUDA, else 2)", check=at_least(1),
+        metavar="N",
+    )  # fmt: skip
+    max_restarts: int = option(
+        0, "restart all ranks up to R times after a failure; with --checkpoint-every they "
+        "resume from the newest complete checkpoint (default %(default)s)",
+        check=at_least(0), metavar="R",
+    )  # fmt: skip
+
+
+@dataclass(frozen=True)
+class RuntimeConfig:
+    """the process group and its watchdog"""
+
+    backend: str = option(
+        "auto", "auto: nccl when each local rank has a GPU, else gloo", choices=BACKENDS
+    )
+    init_timeout: float = option(
+        300.0, "how long ranks wait for each other to join (default %(default)s)",
+        check=finite(above=0), metavar="SECONDS",
+    )  # fmt: skip
+    train_timeout: float = option(
+        1800.0, "how long one collective may wait (default %(default)s)",
+        check=finite(above=0), metavar="SECONDS",
+    )  # fmt: skip
+    stall_timeout: float = option(
+        300.0, "watchdog: a rank waiting in a collective longer than this while another rank "
+        "runs other code ends the job with a report naming the busy rank and its Python stack; "
+        "ranks stuck in collectives that cannot match end it after 5 s (default %(default)s; "
+        "0 = watchdog off)", check=_stall_rule, metavar="SECONDS",
+    )  # fmt: skip
+
+
+@dataclass(frozen=True)
+class WrapConfig:
+    """strategy and gradient communication"""
+
+    strategy: str = option(
+        "auto", "auto: ddp for 2+ processes, single for one; dp: DataParallel over 2+ GPUs in "
+        "one process (--nproc 1; an error without 2 GPUs; PyTorch recommends ddp instead)",
+        choices=STRATEGIES,
+    )  # fmt: skip
+    bucket_cap_mb: float | None = option(
+        None, "DDP gradient bucket size in MiB; buckets all-reduce while backward runs "
+        "(default: torch's 25 MiB, first bucket 1 MiB)", check=finite(above=0), metavar="MIB",
+    )  # fmt: skip
+    grad_as_bucket_view: bool = option(
+        False, "make gradients views into DDP's buckets: one copy less per step and no "
+        "separate gradient memory (same results)",
+    )  # fmt: skip
+    grad_compression: str = option(
+        "none", "how gradients are all-reduced: none (float32), fp16/bf16 (cast: half the "
+        "bytes), powersgd (low-rank factors, see --powersgd-*). Bytes per step are reported "
+        "as comm_bytes_per_step (default %(default)s)", choices=GRAD_COMPRESSIONS,
+    )  # fmt: skip
+    powersgd_rank: int = option(
+        1, "rank of PowerSGD's factors P and Q (default %(default)s)", check=at_least(1),
+        metavar="R",
+    )  # fmt: skip
+    powersgd_start_step: int = option(
+        10, "optimizer steps with plain all-reduce before PowerSGD compresses "
+        "(>= 2; default %(default)s)", check=at_least(2), metavar="STEPS",
+    )  # fmt: skip
+    sync_every: int = option(
+        1, "1: all-reduce gradients every step (default). H >= 2: local SGD, each rank "
+        "steps on its own gradients and parameters are averaged every H steps and at each "
+        "epoch end (about H times fewer bytes). --check-replicas-every and "
+        "--checkpoint-every must then be multiples of H (replicas agree only after averaging)",
+        check=at_least(1), resume=True, metavar="H",
+    )  # fmt: skip
+    sync_batchnorm: bool = option(
+        False, "convert BatchNorm layers to synchronised ones (statistics over all ranks' "
+        "samples); the MNIST CNN has no BatchNorm, so here it only logs that",
+    )  # fmt: skip
+
+
+@dataclass(frozen=True)
+class StepConfig:
+    """the training step"""
+
+    grad_accum: int = option(
+        1, "micro-batches per optimizer step (default %(default)s): the first K-1 run forward "
+        "and backward without gradient sync; global batch = B x world size x K. --max-steps, "
+        "--checkpoint-every and the LR schedule count optimizer steps",
+        check=at_least(1), resume=True, metavar="K",
+    )  # fmt: skip
+    precision: str = option(
+        "32", "32 (default), bf16-mixed (autocast to bfloat16, CPU and CUDA) or 16-mixed "
+        "(float16 autocast with a loss scaler; every rank skips an overflowed step together)",
+        choices=PRECISIONS, resume=True,
+    )  # fmt: skip
+    clip_grad_norm: float = option(
+        0.0, "clip the total L2 norm of the unscaled gradients to X before each optimizer "
+        "step (default 0 = off)", check=finite(at_least=0), metavar="X",
+    )  # fmt: skip
+    find_unused_parameters: bool = option(
+        False, "DDP option for models whose forward skips some parameters on some steps "
+        "(costs a graph traversal per step)",
+    )  # fmt: skip
+    static_graph: bool = option(
+        False, "DDP option for models whose set of used parameters is the same every step"
+    )
+    join: bool = option(
+        False, "train each epoch inside torch's Join, for ranks with different numbers of "
+        "batches (the train loader is even, so this only adds Join's bookkeeping: two small "
+        "all-reduces per forward)",
+    )  # fmt: skip
+
+
+@dataclass(frozen=True)
+class GuardConfig:
+    """guards across ranks"""
+
+    on_nonfinite: str = option(
+        "off", "NaN/Inf loss or gradient on any rank: every rank raises naming the rank and "
+        "step, every rank skips that step, or no check (default; the check adds one small "
+        "all-reduce, a synchronisation point, per step)", choices=("raise", "skip", "off"),
+    )  # fmt: skip
+    check_replicas_every: int = option(
+        0, "compare parameter checksums across ranks every N steps (0 = never)",
+        check=at_least(0), metavar="N",
+    )  # fmt: skip
+
+
+@dataclass(frozen=True)
+class CheckpointConfig:
+    """checkpoints and resuming"""
+
+    checkpoint_every: int = option(
+        0, "save a checkpoint to OUTPUT_DIR/checkpoints every STEPS optimizer steps "
+        "(0 = never; keeps the last 3)", check=at_least(0), metavar="STEPS",
+    )  # fmt: skip
+    resume: str = option(
+        "", "resume from the newest complete checkpoint in OUTPUT_DIR (auto) or from PATH",
+        check=_resume_rule, metavar="auto|PATH",
+    )  # fmt: skip
+
+
+@dataclass(frozen=True)
+class ObserveConfig:
+    """watching a run"""
+
+    progress: str = option(
+        "auto", "rank 0's progress bar per epoch on stderr, with global samples/s and ETA: auto "
+        "(default; only when stderr is a terminal), on, off", choices=PROGRESS_MODES,
+    )  # fmt: skip
+    log_every: int = option(
+        50, "every N optimizer steps append a record to steps.jsonl and steps.csv: mean "
+        "train loss over all ranks since the last record, global samples/s, learning rate "
+        "(default %(default)s; 0 = none)", check=at_least(0), metavar="N",
+    )  # fmt: skip
+    step_timing: bool = option(
+        True, "split each step's time into data wait, forward, backward (with DDP's overlapped "
+        "all-reduce) and optimizer, in seconds per step in metrics.jsonl/csv (default "
+        "%(default)s; on CUDA it synchronizes the GPU at each phase boundary)", on_off=True,
+    )  # fmt: skip
+    tensorboard: str = option(
+        "auto", "auto (default): TensorBoard event files in OUTPUT_DIR/tensorboard when the "
+        "tensorboard package is installed (pip install 'ddpkit[tensorboard]'); off",
+        choices=TENSORBOARD_MODES,
+    )  # fmt: skip
+
+
+# ``[name]`` in a config file and one group of ``ddpkit train --help``, in this order
+SECTIONS = {
+    "run": RunConfig,
+    "data": DataConfig,
+    "launch": LaunchConfig,
+    "runtime": RuntimeConfig,
+    "wrap": WrapConfig,
+    "step": StepConfig,
+    "guards": GuardConfig,
+    "checkpoint": CheckpointConfig,
+    "observe": ObserveConfig,
+}
+
+
+@dataclass(frozen=True)
+class TrainConfig(
+    ObserveConfig, CheckpointConfig, GuardConfig, StepConfig, WrapConfig, RuntimeConfig,
+    LaunchConfig, DataConfig, RunConfig,
+):  # fmt: skip
+    """Settings of one training job: every field of every section, read flat (``config.lr``).
+
+    The sections (:data:`SECTIONS`) are its bases, so each field is declared once, in its
+    section, with its help (``dataclasses.fields(TrainConfig)[i].metadata["option"]``).
+    Construction does not validate; :func:`check` does (``train_mnist`` calls it).
     """
-
-    epochs: int = 1
-    batch_size: int = 64
-    lr: float = 3e-3
-    optimizer: str = "adam"
-    seed: int = 0
-    output_dir: str = "runs/mnist"
-    max_steps: int = 0
-    checkpoint_every: int = 0
-    resume: str = ""
-    on_nonfinite: str = "off"
-    check_replicas_every: int = 0
-    # wrap-time options: strategy, gradient communication, local SGD, sync batch norm
-    strategy: str = "auto"
-    bucket_cap_mb: float | None = None
-    grad_as_bucket_view: bool = False
-    grad_compression: str = "none"
-    powersgd_rank: int = 1
-    powersgd_start_step: int = 10
-    sync_every: int = 1
-    sync_batchnorm: bool = False
-    # training step (issue 3: accumulation, precision, dynamic models, uneven inputs)
-    grad_accum: int = 1
-    precision: str = "32"
-    clip_grad_norm: float = 0.0
-    find_unused_parameters: bool = False
-    static_graph: bool = False
-    join: bool = False
-    # observability (issue 7)
-    step_timing: bool = True
-    log_every: int = 50
-    progress: str = "auto"
-    tensorboard: str = "auto"
 
 
 def resume_settings(config: TrainConfig) -> dict:
-    """The settings a resumed run must share with its checkpoint (saved in the manifest)."""
-    keys = ("epochs", "batch_size", "lr", "optimizer", "seed", "max_steps", "sync_every")
-    # (a checkpoint written before grad_accum/precision existed lacks them and is not refused)
-    return {key: getattr(config, key) for key in (*keys, "grad_accum", "precision")}
+    """The settings a resumed run must share with its checkpoint (saved in the manifest): the
+    fields marked ``resume=True`` (a checkpoint written before grad_accum/precision existed
+    lacks them and is not refused)."""
+    return {key: getattr(config, key) for key in resume_keys(TrainConfig)}
 
 
-def check_step_options(config: TrainConfig) -> None:
-    """Refuse option combinations of the training step that cannot work together.
+def check(config: TrainConfig, *, world_size: int | None = None) -> None:
+    """Refuse a config whose values, alone or together, cannot work; one error lists them all.
+
+    Args:
+        config: the settings to check.
+        world_size: the number of processes the job runs on, when known; ``None`` takes
+            ``config.nproc`` and, when that is unset too, skips the rules about the strategy.
 
     Raises:
-        ConfigError: ``16-mixed`` with the non-finite guard (the GradScaler owns inf/NaN
-            gradients: it skips those steps on every rank and lowers the scale).
+        ConfigError: ``invalid config: <name=value ...>. <rule>. <fix>.`` for each value out of
+            its range or choices and, once every value is valid on its own, each pair that
+            cannot work together (16-mixed with the non-finite guard, a static graph with
+            accumulation or local SGD, local SGD with compression or Join or checks off its
+            period, a strategy that does not fit the world size, DDP options without DDP).
+
+    Example::
+
+        check(TrainConfig(static_graph=True, grad_accum=2))
+        # ConfigError: invalid config: static_graph=True with grad_accum=2. torch's DDP ...
     """
-    if config.precision == "16-mixed" and config.on_nonfinite != "off":
-        raise ConfigError(
-            f"precision=16-mixed with on_nonfinite={config.on_nonfinite!r}: the GradScaler "
-            "already skips steps whose gradients overflow (on every rank) and lowers the scale. "
-            "Use on_nonfinite='off' (--on-nonfinite off) with 16-mixed."
+    problems = field_problems(config)
+    if not problems:  # the rules below compare values that are each valid
+        size = world_size if world_size is not None else config.nproc
+        problems = [p for rule in (_step_rules, _local_sgd_rules) for p in rule(config)]
+        problems += _strategy_rules(config, size) if size is not None else []
+    if problems:
+        raise ConfigError(f"invalid config: {'. '.join(problems)}.")
+
+
+def _step_rules(c: TrainConfig) -> list[str]:
+    problems = []
+    if c.precision == "16-mixed" and c.on_nonfinite != "off":
+        problems.append(
+            f"precision='16-mixed' with on_nonfinite={c.on_nonfinite!r}. The loss scaler already "
+            "skips overflowed steps on every rank and lowers the scale. Set on_nonfinite='off' "
+            "(--on-nonfinite off) with 16-mixed"
         )
+    if c.static_graph and c.grad_accum > 1:
+        problems.append(
+            f"static_graph=True with grad_accum={c.grad_accum}. torch's DDP breaks no_sync in "
+            "static-graph mode (pytorch/pytorch#143580). Drop static_graph or set grad_accum=1"
+        )
+    return problems
+
+
+def _local_sgd_rules(c: TrainConfig) -> list[str]:
+    if c.sync_every == 1:
+        return []
+    pair = f"sync_every={c.sync_every} with"
+    problems = [
+        f"{pair} grad_compression={c.grad_compression!r}. Local SGD sends no gradients to "
+        "compress. Pick one"
+    ] if c.grad_compression != "none" else []  # fmt: skip
+    if c.static_graph:
+        problems.append(
+            f"{pair} static_graph=True. DDP fails in static-graph mode with gradient sync off, "
+            "and the static graph only speeds up the sync local SGD skips. Drop static_graph"
+        )
+    if c.join:
+        problems.append(
+            f"{pair} join=True. Join cannot stand in for a finished rank in local SGD's "
+            "parameter averaging. Pick one"
+        )
+    for name in ("check_replicas_every", "checkpoint_every"):
+        if getattr(c, name) % c.sync_every:
+            problems.append(
+                f"{name}={getattr(c, name)} with sync_every={c.sync_every}. It must be a "
+                "multiple of sync_every (replicas agree only right after averaging). Use a "
+                f"multiple of {c.sync_every}"
+            )
+    return problems
+
+
+def _strategy_rules(c: TrainConfig, world_size: int) -> list[str]:
+    strategy = c.strategy
+    if strategy == "auto":
+        strategy = "ddp" if world_size > 1 else "single"
+    if c.strategy in ("single", "dp") and world_size > 1:
+        return [
+            f"strategy={c.strategy!r} with world_size={world_size}. It runs in one process. "
+            "Use nproc=1 (--nproc 1), or strategy='ddp' for several processes"
+        ]
+    if strategy == "ddp" and world_size < 2:
+        return [
+            f"strategy='ddp' with world_size={world_size}. It needs 2 or more processes. Use "
+            "strategy='single', or nproc=2 or more"
+        ]
+    ddp_only = {
+        "bucket_cap_mb": c.bucket_cap_mb is not None,
+        "grad_as_bucket_view": c.grad_as_bucket_view,
+        "grad_compression": c.grad_compression != "none",
+        "sync_every": c.sync_every > 1,
+        "sync_batchnorm": c.sync_batchnorm,
+    }
+    given = [f"{name}={getattr(c, name)!r}" for name, on in ddp_only.items() if on]
+    if strategy == "ddp" or not given:
+        return []
+    return [
+        f"{', '.join(given)} with strategy={strategy!r} (world_size={world_size}). These "
+        f"configure DDP's gradient sync, and strategy {strategy!r} has none. Use 2 or more "
+        "processes (ddp), or drop them"
+    ]

@@ -19,7 +19,7 @@ import torch
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from ddpkit.app.mnist.config import TrainConfig, check_step_options, resume_settings
+from ddpkit.app.mnist.config import TrainConfig, check, resume_settings
 from ddpkit.app.mnist.data import DataSource
 from ddpkit.app.mnist.model import MnistCNN, build_optimizer
 from ddpkit.app.mnist.monitor import TrainingMonitor
@@ -152,7 +152,7 @@ def train_mnist(config: TrainConfig, runtime: Runtime, source: DataSource) -> di
     start = time.perf_counter()
     output_dir = Path(config.output_dir)
     kill_at = _fault_injection(runtime)
-    check_step_options(config)
+    check(config, world_size=runtime.world_size)
     torch.manual_seed(config.seed)
     train_set, test_set = source.load("train"), source.load("test")
     model, optimizer, inner_optimizer, comm_stats = build_model_and_optimizer(config, runtime)
