@@ -49,6 +49,25 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         metavar="T",
         help="threads per process (default: OMP_NUM_THREADS if set, else usable cores // N)",
     )
+    _add_node_arguments(parser)
+    parser.add_argument(
+        "-m",
+        "--module",
+        default=None,
+        metavar="MODULE",
+        help="run MODULE as __main__ (like python -m) instead of a script",
+    )
+    parser.add_argument(
+        "target",
+        nargs=argparse.REMAINDER,
+        metavar="script.py [args...]",
+        help="the script and its arguments (the module's arguments with -m)",
+    )
+    parser.set_defaults(handler=run)
+
+
+def _add_node_arguments(parser: argparse.ArgumentParser) -> None:
+    """Several nodes (rendezvous) and gloo's TLS."""
     parser.add_argument("--nnodes", type=int, default=1, metavar="N", help="number of nodes")
     parser.add_argument(
         "--node-rank",
@@ -77,20 +96,6 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
             help=f"gloo TLS: this node's {what} (all three --tls-* or none; refused where the "
             "torch build lacks gloo TLS, see ddpkit doctor)",
         )
-    parser.add_argument(
-        "-m",
-        "--module",
-        default=None,
-        metavar="MODULE",
-        help="run MODULE as __main__ (like python -m) instead of a script",
-    )
-    parser.add_argument(
-        "target",
-        nargs=argparse.REMAINDER,
-        metavar="script.py [args...]",
-        help="the script and its arguments (the module's arguments with -m)",
-    )
-    parser.set_defaults(handler=run)
 
 
 def run(args: argparse.Namespace) -> int:
