@@ -210,7 +210,7 @@ def test_progress_on_when_piped_and_off_on_a_terminal(tmp_path):
 def test_bad_observe_flags_exit_2(tmp_path, capsys):
     code, err = run_main(["train", "--log-every", "-1", "--output-dir", str(tmp_path / "o")],
                          capsys)  # fmt: skip
-    assert code == 2 and "--log-every -1 must be >= 0" in err
+    assert code == 2 and "log_every=-1 must be >= 0" in err
     code, err = run_main(["train", "--progress", "maybe"], capsys)
     assert code == 2 and "argument --progress: invalid choice" in err
 
