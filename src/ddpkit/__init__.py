@@ -11,8 +11,10 @@ The public API (everything else is internal)::
             for x, y in loader:                             # the sampler epoch advances itself
                 ...
         metrics = ddpkit.evaluate(model, ddpkit.build_eval_loader(test_set, rt, 1000), rt)
-        # step-time split: ddpkit.StepTimer(rt) -> train_one_epoch(..., timer=timer),
-        # then timer.epoch_summary(rt) on every rank (one collective per epoch)
+        # or the step spelled out: step = ddpkit.TrainStep(model, optimizer, runtime=rt)
+        # and `for result in ddpkit.train_epoch(step, loader): ...` (one result per step);
+        # step-time split: TrainStep(..., timer=ddpkit.StepTimer(rt)), then
+        # timer.epoch_summary(rt) on every rank (one collective per epoch)
 
 Launch with ``ddpkit run -n 2 train.py`` or ``torchrun --nproc-per-node 2 train.py``.
 """
@@ -45,8 +47,10 @@ from ddpkit.parallel.wrap import model_state_dict, unwrap_model, wrap_model
 from ddpkit.training.accumulation import GradientAccumulator
 from ddpkit.training.dynamic import UnusedParameterDiagnosis, UnusedParameterError
 from ddpkit.training.evaluate import evaluate
+from ddpkit.training.loop import train_epoch
 from ddpkit.training.observe import StepTimer, peak_memory_mb
 from ddpkit.training.precision import MixedPrecision
+from ddpkit.training.step import StepResult, TrainStep
 from ddpkit.training.uneven import UnevenInputsError, join_uneven_inputs, verify_even_batches
 
 __version__ = "0.1.0"
@@ -63,7 +67,9 @@ __all__ = [
     "ProcessInfo",
     "Runtime",
     "ShardedLoader",
+    "StepResult",
     "StepTimer",
+    "TrainStep",
     "UnevenInputsError",
     "UnpaddedDistributedSampler",
     "UnusedParameterDiagnosis",
@@ -89,6 +95,7 @@ __all__ = [
     "model_state_dict",
     "peak_memory_mb",
     "resolve_backend",
+    "train_epoch",
     "unwrap_model",
     "verify_even_batches",
     "wrap_model",

@@ -1,4 +1,4 @@
-"""StepTimer in train_one_epoch: each phase gets the time spent in it, on 2 gloo ranks.
+"""StepTimer in TrainStep/train_epoch: each phase gets the time spent in it, on 2 gloo ranks.
 
 A dataset that sleeps in ``__getitem__`` must show up as data wait, a model that sleeps in
 forward as forward, one that sleeps in backward as backward_comm, also with K = 2 micro-steps
@@ -18,8 +18,6 @@ from torch.utils.data import Dataset
 import ddpkit
 from ddpkit.distributed.process_group import Runtime
 from ddpkit.testing import run_distributed
-from ddpkit.training.accumulation import GradientAccumulator
-from ddpkit.training.loop import train_one_epoch
 from ddpkit.training.observe import PHASES, StepTimer
 
 SLEEP_S = 0.02  # per sample in the slow dataset; per micro-step in the slow model
@@ -73,12 +71,11 @@ class _Net(nn.Module):
 def _epoch(runtime: Runtime, net: nn.Module, data_sleep_s: float, k: int, timed: bool) -> dict:
     model = ddpkit.wrap_model(net, runtime)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda _: 1.0)
     loader = ddpkit.build_train_loader(_Samples(data_sleep_s), runtime, BATCH, seed=1)
     timer = StepTimer(runtime) if timed else None
-    accumulator = GradientAccumulator(model, runtime, k)
-    train_one_epoch(model, loader, optimizer, schedule, runtime, accumulator=accumulator,
-                    timer=timer)  # fmt: skip
+    step = ddpkit.TrainStep(model, optimizer, runtime=runtime, num_micro_steps=k, timer=timer)
+    for _ in ddpkit.train_epoch(step, loader):
+        pass
     params = [p.detach().clone() for p in model.parameters()]
     if timer is None:
         return {"params": params}

@@ -85,7 +85,7 @@ def test_step_timer_at_world_size_1(runtime):
     timer = StepTimer(runtime)
     with timer.phase("forward"):
         torch.ones(10).sum()
-    timer.end_step(num_samples_global=8, loss_sum=4.0, num_samples=8)
+    assert timer.end_step(num_samples_global=8)["forward"] > 0  # the step's own split
     with pytest.raises(KeyError, match="unknown step phase: name='backward'"):
         with timer.phase("backward"):
             pass

@@ -13,8 +13,8 @@ write it:
   no gradient all-reduce at all, the ceiling (its replicas diverge: never train like this);
 - ``ddpkit``: ``init_runtime`` (watchdog on, as ``ddpkit train``), ``build_model_and_optimizer``
   at ``ddpkit train``'s defaults (``wrap_model``: DDP's built-in all-reduce, no hook),
-  ``build_train_loader`` and :class:`~ddpkit.training.accumulation.GradientAccumulator` windows
-  stepped through :class:`~ddpkit.training.precision.MixedPrecision`, as ``train_one_epoch`` does;
+  ``build_train_loader`` and each step one call of :class:`~ddpkit.TrainStep`, the step
+  ``ddpkit train`` runs (so the bench measures what the product runs);
   ``ddpkit_fp16|bf16|powersgd`` adds ``grad_compression``; ``ddpkit_local_sgd`` is local SGD
   with parameters averaged every ``local_sgd_period`` steps (``ddpkit train --sync-every H``);
 - ``accelerate``: ``Accelerator()`` + ``prepare`` + ``accelerator.backward``;
@@ -279,8 +279,8 @@ def _ddpkit_form(
     from ddpkit.app.mnist.job import build_model_and_optimizer
     from ddpkit.distributed.process_group import init_runtime
     from ddpkit.distributed.sampler import build_train_loader
-    from ddpkit.training.accumulation import GradientAccumulator
     from ddpkit.training.precision import MixedPrecision
+    from ddpkit.training.step import TrainStep
 
     config = TrainConfig(
         batch_size=settings.batch_size, lr=settings.lr, seed=settings.seed,
@@ -291,19 +291,14 @@ def _ddpkit_form(
         torch.manual_seed(config.seed)
         model, optimizer, _, _ = build_model_and_optimizer(config, runtime)
         loader = build_train_loader(data, runtime, config.batch_size, seed=config.seed)
-        precision = MixedPrecision(config.precision, runtime)
-        accumulator = GradientAccumulator(model, runtime, config.grad_accum, precision)
-
-        def step(window) -> None:  # the body of ddpkit.training.loop.train_one_epoch
-            optimizer.zero_grad(set_to_none=True)
-            for micro in window:
-                inputs, targets = (t.to(runtime.device) for t in micro.batch)
-                with micro:
-                    loss = F.cross_entropy(model(inputs), targets)
-                    micro.backward(loss)
-            precision.step(optimizer, model, config.clip_grad_norm)
-
-        seconds = timed_steps(iter(accumulator.windows(loader)), step, settings)
+        # the step `ddpkit train` runs, at its defaults (no non-finite guard); untimed, as the
+        # other forms are
+        step = TrainStep(
+            model, optimizer, runtime=runtime, num_micro_steps=config.grad_accum,
+            precision=MixedPrecision(config.precision, runtime),
+            clip_grad_norm=config.clip_grad_norm,
+        )  # fmt: skip
+        seconds = timed_steps(iter(step.windows(loader)), step, settings)
         return _result(model, seconds)
 
 

@@ -362,23 +362,34 @@ def init_runtime(
     )
     try:
         group = dist.new_group(timeout=datetime.timedelta(seconds=train_timeout_s))
-        watchdog = None
-        if stall_timeout_s is not None or deadlock_timeout_s is not None:
-            watchdog = Watchdog(
-                store,
-                info,
-                stall_timeout_s,
-                deadlock_timeout_s=deadlock_timeout_s,
-                groups=(group,),
-                group_labels={
-                    dist.group.WORLD.group_name: "the default group",
-                    group.group_name: "ddpkit's training group",
-                },
-                recorder=record_failure,
-            ).start()
+        watchdog = _start_watchdog(store, info, group, stall_timeout_s, deadlock_timeout_s)
     except BaseException:
         dist.destroy_process_group()
         raise
     runtime = Runtime(info, chosen, device, group, float(train_timeout_s))
     runtime.watchdog = watchdog
     return runtime
+
+
+def _start_watchdog(
+    store: dist.Store,
+    info: ProcessInfo,
+    group: dist.ProcessGroup,
+    stall_timeout_s: float | None,
+    deadlock_timeout_s: float | None,
+) -> Watchdog | None:
+    """The watchdog over the default and the training group (``None`` when both are off)."""
+    if stall_timeout_s is None and deadlock_timeout_s is None:
+        return None
+    return Watchdog(
+        store,
+        info,
+        stall_timeout_s,
+        deadlock_timeout_s=deadlock_timeout_s,
+        groups=(group,),
+        group_labels={
+            dist.group.WORLD.group_name: "the default group",
+            group.group_name: "ddpkit's training group",
+        },
+        recorder=record_failure,
+    ).start()

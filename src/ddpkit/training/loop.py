@@ -1,119 +1,144 @@
-"""The training loop of one epoch: accumulation windows, mixed precision, guards, uneven inputs.
+"""The loop of one epoch as a generator: one :class:`~ddpkit.StepResult` per optimizer step.
 
-Used by ``ddpkit train`` (:mod:`ddpkit.app.mnist.job`) and usable with any classifier-style
-model whose loader yields ``(inputs, targets)``.
+The caller's loop body is the training script, in plain sight (as nanoGPT's ``train.py``
+reads)::
+
+    step = ddpkit.TrainStep(model, optimizer, runtime=rt, num_micro_steps=4)
+    for epoch in range(num_epochs):
+        epoch_loss = EpochLoss()
+        for result in ddpkit.train_epoch(step, loader):
+            if not result.skipped:
+                schedule.step()               # LR schedules count optimizer steps
+            epoch_loss.add(result)
+            ckpt.maybe_save(result.step, ...)  # between steps: on a window boundary
+        train_loss, num_samples = epoch_loss.reduce(rt)
+
+Nothing of the next step runs while the caller's body runs (the next window's batches are drawn
+only when the loop asks for it), so a checkpoint taken there holds the loader's exact position.
 """
 
 from __future__ import annotations
 
-import time
-from collections.abc import Callable
-
-import torch
-from torch import nn
-from torch.nn import functional as F
+import itertools
+from collections.abc import Iterable, Iterator, Sized
+from typing import Any
 
 from ddpkit.distributed.collectives import all_reduce_sum
 from ddpkit.distributed.process_group import Runtime
 from ddpkit.distributed.sampler import ShardedLoader
-from ddpkit.training.accumulation import AccumulationWindow, GradientAccumulator
-from ddpkit.training.observe import StepTimer
+from ddpkit.training.step import StepResult, TrainStep
 from ddpkit.training.uneven import join_uneven_inputs, verify_even_batches
 
 
-def train_one_epoch(
-    model: nn.Module,
-    loader: ShardedLoader,
-    optimizer: torch.optim.Optimizer,
-    schedule: torch.optim.lr_scheduler.LRScheduler,
-    runtime: Runtime,
-    on_step: Callable[[], None] | None = None,
-    may_step: Callable[[torch.Tensor], bool] | None = None,
-    accumulator: GradientAccumulator | None = None,
-    clip_grad_norm: float = 0.0,
+def train_epoch(
+    step: TrainStep,
+    batches: Iterable[Any],
+    *,
+    max_steps: int | None = None,
     join: bool = False,
-    loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = F.cross_entropy,
-    timer: StepTimer | None = None,
-) -> tuple[float, float, float]:
-    """One pass over this rank's shard (capped by the loader's ``max_batches``).
+) -> Iterator[StepResult]:
+    """Run ``step`` over one pass of ``batches``, yielding each optimizer step's result.
 
-    Each optimizer step takes one window of the ``accumulator`` (default: K = 1, fp32), whose
-    micro-steps run forward and backward under ``no_sync`` except the last. ``may_step(loss)``
-    runs after the last backward (``loss``: the window's summed micro-batch losses) and decides
-    whether the optimizer steps (the non-finite guard); ``on_step`` runs after every optimizer
-    step, taken or skipped. After a resume the pass starts where the checkpoint left it, and
-    only those batches are counted. Without ``join`` the ranks first check they have the same
-    number of batches (one all-reduce), so uneven loaders fail at once instead of hanging.
+    The pass is grouped into windows of K = ``step.num_micro_steps`` batches (the last may be
+    shorter), so it yields ``ceil(num_batches / K)`` results, each after its optimizer step and
+    before the next window is drawn. With a :class:`~ddpkit.ShardedLoader`, each ``iter`` is the
+    next epoch (after a resume: the rest of the interrupted one).
 
-    ``loss_fn(outputs, targets)`` gives a micro-batch's mean loss (default: cross-entropy).
-    ``timer`` (a :class:`~ddpkit.StepTimer`) times each step's data wait, forward,
-    backward (with DDP's overlapped all-reduce) and optimizer phases, forward and backward
-    summed over the micro-steps, and counts steps and samples before each ``on_step``; it
-    never changes what is computed. Read it with ``timer.epoch_summary(runtime)``.
+    Collective: iterate on every rank to the same end (DDP's backward; without ``join``, one
+    all-reduce up front comparing the ranks' batch counts, so uneven inputs fail at once
+    instead of hanging). At world size 1 nothing is communicated.
 
-    Collective: call on every rank (DDP's backward and the final all-reduce).
+    Args:
+        step: the :class:`~ddpkit.TrainStep` to run (its ``timer`` also times the data wait).
+        batches: a :class:`~ddpkit.ShardedLoader` or any iterable of ``(inputs, targets)``.
+        max_steps: stop after this many optimizer steps (``None``: the whole pass). The loader's
+            pass then ends early; its next ``iter`` starts the next epoch.
+        join: run the pass inside torch's ``Join`` (:func:`~ddpkit.join_uneven_inputs`), for
+            ranks with different numbers of batches.
 
-    Returns:
-        ``(mean train loss over all ranks' samples, global samples, seconds)``.
+    Yields:
+        One :class:`~ddpkit.StepResult` per optimizer step, numbered on from ``step.num_steps``.
+
+    Raises:
+        ValueError: ``max_steps`` below 1.
+        UnevenInputsError: without ``join``, the ranks have different numbers of batches.
+
+    Example:
+        >>> for result in train_epoch(step, loader, max_steps=100):  # doctest: +SKIP
+        ...     print(result.step, result.loss)
     """
-    model.train()
-    start = time.perf_counter()
-    accumulator = accumulator or GradientAccumulator(model, runtime)
-    if not join and loader.full_pass_batches() is not None:  # else a stream: even by design
-        verify_even_batches(len(loader) - loader.state_dict()["batches_done"], runtime)
-    loss_sum = num_samples = 0.0
-    timer = timer or StepTimer(runtime, enabled=False)
-    with join_uneven_inputs(model, runtime, enable=join):
-        windows = accumulator.windows(loader)
-        while True:
-            with timer.phase("data_wait"):  # the window draws its K batches up front
-                window = next(windows, None)
-            if window is None:
-                break
-            with timer.phase("optimizer"):
-                optimizer.zero_grad(set_to_none=True)
-            window_loss, step_loss_sum, step_samples = _micro_steps(
-                model, window, runtime, loss_fn, timer
-            )
-            for value in step_loss_sum:  # added one by one: the same float sum as before
-                loss_sum += value
-            num_samples += step_samples
-            with timer.phase("optimizer"):
-                if may_step is None or may_step(window_loss):
-                    if accumulator.precision.step(optimizer, model, clip_grad_norm).stepped:
-                        schedule.step()
-            timer.end_step(window.num_samples, sum(step_loss_sum), int(step_samples))
-            if on_step is not None:
-                on_step()
-    seconds = time.perf_counter() - start
-    loss_sum, num_samples = all_reduce_sum([loss_sum, num_samples], runtime).tolist()
-    return loss_sum / max(num_samples, 1.0), num_samples, seconds
+    if max_steps is not None and max_steps < 1:
+        raise ValueError(
+            f"invalid max_steps={max_steps}. It must be >= 1 (optimizer steps), or None for "
+            "the whole pass."
+        )
+    return _results(step, batches, max_steps, join)
 
 
-def _micro_steps(
-    model: nn.Module,
-    window: AccumulationWindow,
-    runtime: Runtime,
-    loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
-    timer: StepTimer,
-) -> tuple[torch.Tensor, list[float], int]:
-    """Forward and backward of a window's micro-steps (the last syncs gradients).
+def _results(
+    step: TrainStep, batches: Iterable[Any], max_steps: int | None, join: bool
+) -> Iterator[StepResult]:
+    """The generator of :func:`train_epoch` (its arguments already checked)."""
+    step.model.train()
+    if not join:
+        _verify_even(step, batches, max_steps)
+    timer = step.timer
+    with join_uneven_inputs(step.model, step.runtime, enable=join):
+        windows = step.windows(batches)
+        try:
+            for _ in range(max_steps) if max_steps is not None else itertools.count():
+                with timer.phase("data_wait"):  # the window draws its K batches up front
+                    window = next(windows, None)
+                if window is None:
+                    return
+                yield step(window)
+        finally:
+            windows.close()  # stopped early: release the accumulator's hooks now
 
-    Returns:
-        ``(summed micro-batch mean losses, per-micro-step loss x samples, local samples)``.
+
+def _verify_even(step: TrainStep, batches: Iterable[Any], max_steps: int | None) -> None:
+    """Compare the ranks' batch counts of this pass (one all-reduce); skip unknown lengths."""
+    if isinstance(batches, ShardedLoader):
+        if batches.full_pass_batches() is None:  # a stream: even by design
+            return
+        num_batches = len(batches) - batches.state_dict()["batches_done"]
+    elif isinstance(batches, Sized):
+        num_batches = len(batches)
+    else:
+        return
+    if max_steps is not None:
+        num_batches = min(num_batches, max_steps * step.num_micro_steps)
+    verify_even_batches(num_batches, step.runtime)
+
+
+class EpochLoss:
+    """This rank's running train-loss sums of one epoch; the mean over all ranks at the end.
+
+    Attributes:
+        loss_sum: this rank's summed per-sample loss so far.
+        num_samples: this rank's samples so far.
+
+    Example:
+        >>> epoch_loss = EpochLoss()                                  # doctest: +SKIP
+        >>> for result in train_epoch(step, loader):
+        ...     epoch_loss.add(result)
+        >>> train_loss, num_samples = epoch_loss.reduce(runtime)
     """
-    window_loss = torch.zeros((), device=runtime.device)
-    loss_sums: list[float] = []
-    num_samples = 0
-    for micro in window:
-        with timer.phase("data_wait"):
-            inputs, targets = (t.to(runtime.device) for t in micro.batch)
-        with micro:  # no_sync() unless last; forward AND backward inside
-            with timer.phase("forward"):
-                loss = loss_fn(model(inputs), targets)
-            with timer.phase("backward_comm"):  # includes DDP's overlapped all-reduce
-                micro.backward(loss)
-        window_loss += loss.detach().float()
-        loss_sums.append(float(loss.detach()) * len(targets))
-        num_samples += len(targets)
-    return window_loss, loss_sums, num_samples
+
+    def __init__(self) -> None:
+        self.loss_sum = 0.0
+        self.num_samples = 0.0
+
+    def add(self, result: StepResult) -> None:
+        """Add one step's losses and samples (micro-step by micro-step)."""
+        for value in result.loss_sums:
+            self.loss_sum += value
+        self.num_samples += result.num_samples
+
+    def reduce(self, runtime: Runtime) -> tuple[float, float]:
+        """``(mean loss over every rank's samples, samples of every rank)``.
+
+        Collective: call on every rank (one all-reduce of two floats; none at world size 1).
+        """
+        loss_sum, num_samples = all_reduce_sum([self.loss_sum, self.num_samples], runtime).tolist()
+        return loss_sum / max(num_samples, 1.0), num_samples

@@ -14,10 +14,11 @@ A step (one optimizer step, i.e. one accumulation window) is split into four pha
     told apart from outside. A large value at world size N against a small one at world size
     1 is communication.
 ``optimizer``
-    ``zero_grad``, the non-finite guard (when on), unscale/clip, ``optimizer.step`` (through
-    the GradScaler when on) and the LR schedule step.
+    ``zero_grad``, the non-finite guard (when on), unscale/clip and ``optimizer.step``
+    (through the GradScaler when on).
 
-What ``on_step`` callbacks do (checkpoints, replica checks) is in no phase.
+What the caller's loop does between steps (the LR schedule, checkpoints, replica checks,
+logging) is in no phase.
 
 Cost: on CPU a ``time.perf_counter`` pair per phase (well under a microsecond). On CUDA the
 kernels are asynchronous, so the timer calls ``torch.cuda.synchronize`` at every phase boundary
@@ -27,7 +28,9 @@ avoid it; the loop then measures nothing.
 
 Example:
     >>> timer = StepTimer(runtime)                                   # doctest: +SKIP
-    >>> train_one_epoch(model, loader, opt, sched, runtime, timer=timer)
+    >>> step = ddpkit.TrainStep(model, optimizer, runtime=runtime, timer=timer)
+    >>> for result in ddpkit.train_epoch(step, loader):
+    ...     result.phase_s["forward"]                               # this step's split
     >>> timer.epoch_summary(runtime)["forward_s_per_step"]
 """
 
@@ -64,8 +67,9 @@ def peak_memory_mb(device: torch.device) -> float:
 class StepTimer:
     """Seconds per step phase (``data_wait``, ``forward``, ``backward_comm``, ``optimizer``).
 
-    The training loop calls :meth:`phase` around each part of a step and :meth:`end_step` after
-    each optimizer step; :meth:`epoch_summary` reduces the epoch over ranks and starts the next.
+    :class:`~ddpkit.TrainStep` calls :meth:`phase` around each part of a step and
+    :meth:`end_step` after each optimizer step; :meth:`epoch_summary` reduces the epoch over
+    ranks and starts the next.
 
     Args:
         runtime: the job's :class:`~ddpkit.Runtime` (its device decides whether to synchronize).
@@ -75,8 +79,6 @@ class StepTimer:
         seconds: this rank's seconds per phase in the current epoch, summed over steps.
         num_steps: optimizer steps ended in the current epoch.
         num_samples: samples of those steps over all ranks (from the accumulation windows).
-        last_loss_sum: this rank's summed per-sample loss of the step just ended.
-        last_num_samples: this rank's samples of the step just ended.
     """
 
     def __init__(self, runtime: Runtime, enabled: bool = True) -> None:
@@ -90,8 +92,7 @@ class StepTimer:
         self.seconds = dict.fromkeys(PHASES, 0.0)
         self.num_steps = 0
         self.num_samples = 0
-        self.last_loss_sum = 0.0
-        self.last_num_samples = 0
+        self._step_seconds = dict.fromkeys(PHASES, 0.0)
 
     @contextlib.contextmanager
     def phase(self, name: str) -> Iterator[None]:
@@ -111,18 +112,25 @@ class StepTimer:
             yield
         finally:
             self._synchronize()
-            self.seconds[name] += time.perf_counter() - start
+            elapsed = time.perf_counter() - start
+            self.seconds[name] += elapsed
+            self._step_seconds[name] += elapsed
 
     def _synchronize(self) -> None:
         if self._sync:
             torch.cuda.synchronize(self.runtime.device)
 
-    def end_step(self, num_samples_global: int, loss_sum: float, num_samples: int) -> None:
-        """Count one optimizer step: its global samples, this rank's loss sum and samples."""
+    def end_step(self, num_samples_global: int) -> dict[str, float] | None:
+        """Count one optimizer step of ``num_samples_global`` samples (all ranks).
+
+        Returns:
+            This rank's seconds per phase since the previous ``end_step`` (the step's split),
+            or ``None`` when the timer is disabled.
+        """
         self.num_steps += 1
         self.num_samples += num_samples_global
-        self.last_loss_sum = loss_sum
-        self.last_num_samples = num_samples
+        split, self._step_seconds = self._step_seconds, dict.fromkeys(PHASES, 0.0)
+        return split if self.enabled else None
 
     def epoch_summary(self, runtime: Runtime | None = None) -> dict[str, float]:
         """The epoch's phase times (mean over ranks) and peak memory (max over ranks); resets.

@@ -38,8 +38,9 @@ PRECISIONS = ("32", "bf16-mixed", "16-mixed")
 
 
 @dataclass(frozen=True)
-class StepResult:
-    """What one optimizer step did.
+class OptimizerUpdate:
+    """What :meth:`MixedPrecision.step` did to the optimizer (a :class:`~ddpkit.TrainStep`
+    reports it in its :class:`~ddpkit.StepResult`).
 
     Attributes:
         stepped: the optimizer stepped (false when the scaler skipped an overflowed step; the
@@ -121,8 +122,8 @@ class MixedPrecision:
 
     def step(
         self, optimizer: torch.optim.Optimizer, model: nn.Module, max_norm: float = 0.0
-    ) -> StepResult:
-        """Unscale, clip and step (or skip, on every rank alike); returns a :class:`StepResult`.
+    ) -> OptimizerUpdate:
+        """Unscale, clip and step (or skip, on every rank alike); returns an OptimizerUpdate.
 
         Call after the backward of the window's last micro-step, instead of
         ``optimizer.step()``.
@@ -149,10 +150,10 @@ class MixedPrecision:
             grad_norm = float(norm)
         if self.scaler is None:
             optimizer.step()
-            return StepResult(True, grad_norm)
+            return OptimizerUpdate(True, grad_norm)
         self.scaler.step(optimizer)
         self.scaler.update()
-        return StepResult(not overflow, grad_norm)
+        return OptimizerUpdate(not overflow, grad_norm)
 
     def _agree_on_overflow(self, optimizer: torch.optim.Optimizer) -> bool:
         """True when any rank's scaled gradients hold inf/NaN; then every rank's scaler sees it."""

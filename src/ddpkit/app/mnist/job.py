@@ -12,8 +12,9 @@ import math
 import os
 import signal
 import time
-from dataclasses import asdict
+from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch import nn
@@ -26,7 +27,7 @@ from ddpkit.app.mnist.monitor import TrainingMonitor
 from ddpkit.app.mnist.outputs import finite_or_none, reset_outputs
 from ddpkit.checkpoint.manager import CheckpointManager
 from ddpkit.distributed.process_group import Runtime
-from ddpkit.distributed.sampler import build_eval_loader, build_train_loader
+from ddpkit.distributed.sampler import ShardedLoader, build_eval_loader, build_train_loader
 from ddpkit.errors import ConfigError
 from ddpkit.files import write_json_atomic
 from ddpkit.guards.nonfinite import NonFiniteError, NonFiniteGuard, check_replicas
@@ -34,11 +35,11 @@ from ddpkit.log import get_logger
 from ddpkit.parallel.comm import CommStats
 from ddpkit.parallel.local_sgd import enable_local_sgd
 from ddpkit.parallel.wrap import model_state_dict, wrap_model
-from ddpkit.training.accumulation import GradientAccumulator
 from ddpkit.training.evaluate import evaluate
-from ddpkit.training.loop import train_one_epoch
+from ddpkit.training.loop import EpochLoss, train_epoch
 from ddpkit.training.observe import StepTimer
 from ddpkit.training.precision import MixedPrecision
+from ddpkit.training.step import TrainStep
 
 FAULT_ENV = "DDPKIT_FAULT_INJECT"
 
@@ -129,6 +130,112 @@ def _per_step(num_bytes: float, num_steps: int) -> float:
     return num_bytes / num_steps if num_steps else math.nan
 
 
+@dataclass
+class MnistTraining:
+    """What :func:`train_mnist` builds before its first step (see :func:`build_training`).
+
+    Attributes:
+        model: the wrapped CNN.
+        optimizer: what the step steps (a ``PostLocalSGDOptimizer`` with ``sync_every`` > 1).
+        inner_optimizer: the optimizer the LR schedule drives.
+        comm_stats: gradient and averaging bytes (``None`` for ``dp``).
+        train_loader: this rank's shard, each pass capped at ``max_steps`` windows.
+        test_loader: this rank's part of the test set (every sample counted once).
+        precision: autocast, loss scaling and clipping (its scaler is checkpointed).
+        schedule: the one-cycle LR schedule over every epoch's optimizer steps.
+        ckpt: the checkpoint manager of ``output_dir/checkpoints``.
+        state: the objects a checkpoint saves and a resume restores, by name.
+        settings: the settings a resumed run must share with its checkpoint.
+        num_train: training samples; num_test: test samples.
+    """
+
+    model: nn.Module
+    optimizer: torch.optim.Optimizer
+    inner_optimizer: torch.optim.Optimizer
+    comm_stats: CommStats | None
+    train_loader: ShardedLoader
+    test_loader: Any
+    precision: MixedPrecision
+    schedule: torch.optim.lr_scheduler.LRScheduler
+    ckpt: CheckpointManager
+    state: dict[str, Any]
+    settings: dict[str, Any]
+    num_train: int
+    num_test: int
+
+    @property
+    def averager(self) -> Any:
+        """Local SGD's parameter averager, or ``None`` (gradients all-reduced every step)."""
+        return self.optimizer.averager if self.optimizer is not self.inner_optimizer else None
+
+
+def build_training(config: TrainConfig, runtime: Runtime, source: DataSource) -> MnistTraining:
+    """Data, wrapped model, optimizer, precision, LR schedule and checkpoint manager.
+
+    Collective: call on every rank (DDP's broadcast of rank 0's parameters).
+    """
+    torch.manual_seed(config.seed)
+    train_set, test_set = source.load("train"), source.load("test")
+    model, optimizer, inner_optimizer, comm_stats = build_model_and_optimizer(config, runtime)
+    train_loader = build_train_loader(
+        train_set,
+        runtime,
+        config.batch_size,
+        seed=config.seed,
+        max_batches=config.max_steps * config.grad_accum or None,  # max_steps windows a pass
+    )
+    test_loader = build_eval_loader(test_set, runtime, batch_size=1000)
+    precision = MixedPrecision(config.precision, runtime)
+    steps_per_epoch = -(-len(train_loader) // config.grad_accum)  # optimizer steps: ceil
+    schedule = torch.optim.lr_scheduler.OneCycleLR(
+        inner_optimizer, max_lr=config.lr, total_steps=steps_per_epoch * config.epochs
+    )
+    ckpt = CheckpointManager(
+        Path(config.output_dir) / "checkpoints", runtime, every_steps=config.checkpoint_every
+    )
+    state = {
+        "model": model,
+        "optimizer": optimizer,
+        "scheduler": schedule,
+        "scaler": precision.scaler,
+        "loader": train_loader,
+    }
+    return MnistTraining(
+        model, optimizer, inner_optimizer, comm_stats, train_loader, test_loader, precision,
+        schedule, ckpt, state, {**resume_settings(config), "dataset": source.dataset},
+        len(train_set), len(test_set),
+    )  # fmt: skip
+
+
+def _resume(config: TrainConfig, job: MnistTraining) -> int:
+    """The step ``--resume`` restored (0: a fresh start). Collective: call on every rank."""
+    if not config.resume:
+        return 0
+    path = None if config.resume == "auto" else config.resume
+    step = job.ckpt.resume(**job.state, path=path, extra=job.settings)
+    if path is None and step == 0:
+        get_logger("train").info(
+            "--resume auto: no complete checkpoint in %s, starting from step 0", job.ckpt.directory
+        )
+    return step
+
+
+def _log_setup(config: TrainConfig, runtime: Runtime, dataset: str, job: MnistTraining) -> None:
+    log = get_logger("train")
+    global_batch = config.batch_size * runtime.world_size * config.grad_accum
+    log.info(
+        "training %s on %d process(es), backend=%s, device=%s, %d train / %d test samples, "
+        "global batch %d", dataset, runtime.world_size, runtime.backend or "none",
+        runtime.device, job.num_train, job.num_test, global_batch,
+    )  # fmt: skip
+    log.info(
+        "gradient sync: strategy %s, compression %s, %s, bucket cap %s",
+        config.strategy, config.grad_compression,
+        f"local SGD averaging every {config.sync_every} steps" if job.averager else "every step",
+        "torch default" if config.bucket_cap_mb is None else f"{config.bucket_cap_mb} MiB",
+    )  # fmt: skip
+
+
 def train_mnist(config: TrainConfig, runtime: Runtime, source: DataSource) -> dict:
     """Train and evaluate the MNIST CNN with the runtime's strategy; rank 0 writes the outputs.
 
@@ -148,159 +255,164 @@ def train_mnist(config: TrainConfig, runtime: Runtime, source: DataSource) -> di
         to all-reduce per optimizer step, counted by ddpkit's DDP comm hook; 0 for a single
         process, null for dp). Non-finite values (a diverged run) are written as ``null``.
     """
-    log = get_logger("train")
     start = time.perf_counter()
     output_dir = Path(config.output_dir)
     kill_at = _fault_injection(runtime)
     check(config, world_size=runtime.world_size)
-    torch.manual_seed(config.seed)
-    train_set, test_set = source.load("train"), source.load("test")
-    model, optimizer, inner_optimizer, comm_stats = build_model_and_optimizer(config, runtime)
-    train_loader = build_train_loader(
-        train_set,
-        runtime,
-        config.batch_size,
-        seed=config.seed,
-        max_batches=config.max_steps * config.grad_accum or None,
-    )
-    test_loader = build_eval_loader(test_set, runtime, batch_size=1000)
-    precision = MixedPrecision(config.precision, runtime)
-    accumulator = GradientAccumulator(model, runtime, config.grad_accum, precision)
-    steps_per_epoch = accumulator.num_optimizer_steps(len(train_loader))  # optimizer steps
-    schedule = torch.optim.lr_scheduler.OneCycleLR(
-        inner_optimizer, max_lr=config.lr, total_steps=steps_per_epoch * config.epochs
-    )
-    ckpt = CheckpointManager(
-        output_dir / "checkpoints", runtime, every_steps=config.checkpoint_every
-    )
-    state = {
-        "model": model,
-        "optimizer": optimizer,
-        "scheduler": schedule,
-        "scaler": precision.scaler,
-        "loader": train_loader,
-    }
-    settings = {**resume_settings(config), "dataset": source.dataset}
-    step = 0
-    if config.resume:
-        path = None if config.resume == "auto" else config.resume
-        step = ckpt.resume(**state, path=path, extra=settings)
-        if path is None and step == 0:
-            get_logger("train").info(
-                "--resume auto: no complete checkpoint in %s, starting from step 0", ckpt.directory
-            )
-    reset_outputs(output_dir, runtime, train_loader.epoch if step else None, step)
+    job = build_training(config, runtime, source)
+    first_step = _resume(config, job)
+    reset_outputs(output_dir, runtime, job.train_loader.epoch if first_step else None, first_step)
     timer = StepTimer(runtime, enabled=config.step_timing)
     monitor = TrainingMonitor(
-        output_dir, runtime, timer, inner_optimizer, step,
+        output_dir, runtime, timer, job.inner_optimizer, first_step,
         config.log_every, config.progress, config.tensorboard,
     )  # fmt: skip
     guard = None if config.on_nonfinite == "off" else NonFiniteGuard(runtime, config.on_nonfinite)
-    averager = optimizer.averager if optimizer is not inner_optimizer else None  # local SGD
-    first_step = step
-
-    def may_step(loss: torch.Tensor) -> bool:
-        return guard is None or guard.check(step + 1, loss, model)
-
-    def on_step() -> None:
-        nonlocal step
-        step += 1
-        if comm_stats is not None:
-            comm_stats.count_builtin_sync()  # the window's last backward synced (skipped or not)
-        if step == kill_at:
-            os.kill(os.getpid(), signal.SIGKILL)
-        if config.check_replicas_every and step % config.check_replicas_every == 0:
-            if averager is None or averager.just_averaged:  # local SGD: equal only then
-                check_replicas(model, runtime, step)
-        ckpt.maybe_save(step, **state, extra=settings)
-        monitor.on_step(step)
-
-    global_batch = config.batch_size * runtime.world_size * config.grad_accum
-    log.info(
-        "training %s on %d process(es), backend=%s, device=%s, %d train / %d test samples, "
-        "global batch %d", source.dataset, runtime.world_size, runtime.backend or "none",
-        runtime.device, len(train_set), len(test_set), global_batch,
+    train_step = TrainStep(
+        job.model, job.optimizer, runtime=runtime, num_micro_steps=config.grad_accum,
+        precision=job.precision, clip_grad_norm=config.clip_grad_norm, guard=guard,
+        timer=timer, start_step=first_step,
     )  # fmt: skip
-    log.info(
-        "gradient sync: strategy %s, compression %s, %s, bucket cap %s",
-        config.strategy, config.grad_compression,
-        f"local SGD averaging every {config.sync_every} steps" if averager else "every step",
-        "torch default" if config.bucket_cap_mb is None else f"{config.bucket_cap_mb} MiB",
-    )  # fmt: skip
-    train_time_s = samples_total = 0.0
-    test = None
+    _log_setup(config, runtime, source.dataset, job)
     try:
-        while train_loader.epoch < config.epochs:
-            epoch = train_loader.epoch + 1
-            epoch_bytes, epoch_first_step = _comm_bytes(comm_stats), step
-            monitor.start_epoch(epoch, config.epochs, train_loader)
-            train_loss, num_samples, epoch_s = train_one_epoch(
-                model, train_loader, optimizer, schedule, runtime, on_step, may_step,
-                accumulator, config.clip_grad_norm, config.join, timer=timer,
-            )  # fmt: skip
-            monitor.close_bar()
-            step_times = timer.epoch_summary(runtime)  # collective: one all-reduce
-            if guard is None and not math.isfinite(train_loss):
-                raise NonFiniteError(
-                    f"epoch {epoch}: the mean train loss over all ranks is {train_loss}: "
-                    "training diverged or the data holds NaN/Inf. Rerun with --on-nonfinite "
-                    "raise to stop at the first such step and name the rank (or skip to drop "
-                    "those steps); a lower --lr often helps."
-                )
-            if averager is not None and not averager.just_averaged:  # evaluate the averaged model
-                averager.average_now(inner_optimizer.param_groups)
-            train_time_s += epoch_s
-            samples_total += num_samples
-            test = evaluate(model, test_loader, runtime)
-            record = {
-                "epoch": epoch,
-                "train_loss": train_loss,
-                "test_loss": test["loss"],
-                "test_accuracy": test["accuracy"],
-                "test_samples": test["num_samples"],
-                "samples_per_s": num_samples / epoch_s,
-                "epoch_s": epoch_s,
-                "comm_bytes_per_step": _per_step(
-                    _comm_bytes(comm_stats) - epoch_bytes, step - epoch_first_step
-                ),
-                "step": step,
-                **{k: v for k, v in step_times.items() if k.endswith("_per_step") or "memory" in k},
-            }
-            log.info(
-                "epoch %d/%d  train_loss %.4f  test_loss %.4f  test_acc %.4f  %.0f samples/s",
-                epoch, config.epochs, train_loss, test["loss"], test["accuracy"],
-                record["samples_per_s"],
-            )  # fmt: skip
-            monitor.end_epoch(record, step)
+        test, train_time_s, samples_total = _train_epochs(
+            config, runtime, job, train_step, monitor, kill_at
+        )
     finally:
         monitor.close()
     if test is None:  # resumed from a checkpoint taken at the very end: evaluate it
-        test = evaluate(model, test_loader, runtime)
+        test = evaluate(job.model, job.test_loader, runtime)
     summary = {
         "test_accuracy": test["accuracy"],
         "test_loss": test["loss"],
         "test_samples": test["num_samples"],
-        "train_set_size": len(train_set),
+        "train_set_size": job.num_train,
         "world_size": runtime.world_size,
         "backend": runtime.backend or "none",
         "epochs": config.epochs,
-        "final_step": step,
+        "final_step": train_step.num_steps,
         "samples_per_s": samples_total / train_time_s if train_time_s else math.nan,
         "wall_s": time.perf_counter() - start,
         "dataset": source.dataset,
-        "comm_bytes_per_step": _per_step(_comm_bytes(comm_stats), step - first_step),
+        "comm_bytes_per_step": _per_step(
+            _comm_bytes(job.comm_stats), train_step.num_steps - first_step
+        ),
     }
     summary = {k: finite_or_none(v) if isinstance(v, float) else v for k, v in summary.items()}
     summary["config"] = asdict(config)
-    if runtime.is_rank_zero:
-        torch.save(model_state_dict(model), output_dir / ".model.pt.tmp")
-        os.replace(output_dir / ".model.pt.tmp", output_dir / "model.pt")
-        write_json_atomic(output_dir / "summary.json", summary)
-        written = sorted(p.name for p in output_dir.iterdir() if not p.name.startswith("."))
-        log.info(
-            "wrote %s (%s); plot it with: ddpkit plot %s",
-            output_dir,
-            ", ".join(written),
-            output_dir,
-        )
+    _write_outputs(output_dir, runtime, job.model, summary)
     return summary
+
+
+def _train_epochs(
+    config: TrainConfig,
+    runtime: Runtime,
+    job: MnistTraining,
+    train_step: TrainStep,
+    monitor: TrainingMonitor,
+    kill_at: int,
+) -> tuple[dict | None, float, float]:
+    """The remaining epochs, each evaluated and recorded; returns ``(last test metrics, training
+    seconds, training samples)``. Collective: call on every rank."""
+    train_time_s = samples_total = 0.0
+    test = None
+    while job.train_loader.epoch < config.epochs:
+        epoch = job.train_loader.epoch + 1
+        epoch_bytes, epoch_first_step = _comm_bytes(job.comm_stats), train_step.num_steps
+        monitor.start_epoch(epoch, config.epochs, job.train_loader)
+        train_loss, num_samples, epoch_s = _train_one_epoch(
+            config, runtime, job, train_step, monitor, kill_at
+        )
+        monitor.close_bar()
+        step_times = train_step.timer.epoch_summary(runtime)  # collective: one all-reduce
+        _check_finite(train_loss, epoch, guarded=train_step.guard is not None)
+        if job.averager is not None and not job.averager.just_averaged:  # evaluate the average
+            job.averager.average_now(job.inner_optimizer.param_groups)
+        train_time_s += epoch_s
+        samples_total += num_samples
+        test = evaluate(job.model, job.test_loader, runtime)
+        record = {
+            "epoch": epoch,
+            "train_loss": train_loss,
+            "test_loss": test["loss"],
+            "test_accuracy": test["accuracy"],
+            "test_samples": test["num_samples"],
+            "samples_per_s": num_samples / epoch_s,
+            "epoch_s": epoch_s,
+            "comm_bytes_per_step": _per_step(
+                _comm_bytes(job.comm_stats) - epoch_bytes, train_step.num_steps - epoch_first_step
+            ),
+            "step": train_step.num_steps,
+            **{k: v for k, v in step_times.items() if k.endswith("_per_step") or "memory" in k},
+        }
+        _log_epoch(record, config.epochs)
+        monitor.end_epoch(record, train_step.num_steps)
+    return test, train_time_s, samples_total
+
+
+def _train_one_epoch(
+    config: TrainConfig,
+    runtime: Runtime,
+    job: MnistTraining,
+    train_step: TrainStep,
+    monitor: TrainingMonitor,
+    kill_at: int,
+) -> tuple[float, float, float]:
+    """One pass, step by step; returns ``(mean train loss over all ranks' samples, global
+    samples, seconds)``. Collective: call on every rank."""
+    model, comm_stats, averager = job.model, job.comm_stats, job.averager
+    epoch_loss, start = EpochLoss(), time.perf_counter()
+    for result in train_epoch(train_step, job.train_loader, join=config.join):
+        step = result.step
+        if not result.skipped:  # the schedule counts the optimizer's real steps
+            job.schedule.step()
+        epoch_loss.add(result)
+        if comm_stats is not None:
+            comm_stats.count_builtin_sync()  # the last backward synced (skipped or not)
+        if step == kill_at:  # DDPKIT_FAULT_INJECT: this rank dies here (restart tests)
+            os.kill(os.getpid(), signal.SIGKILL)
+        if config.check_replicas_every and step % config.check_replicas_every == 0:
+            if averager is None or averager.just_averaged:  # local SGD: equal only then
+                check_replicas(model, runtime, step)
+        job.ckpt.maybe_save(step, **job.state, extra=job.settings)
+        monitor.on_step(step, result)
+    seconds = time.perf_counter() - start
+    train_loss, num_samples = epoch_loss.reduce(runtime)  # collective
+    return train_loss, num_samples, seconds
+
+
+def _check_finite(train_loss: float, epoch: int, *, guarded: bool) -> None:
+    """Without the non-finite guard, a NaN/Inf epoch loss ends the run with the fix.
+
+    Raises:
+        NonFiniteError: ``train_loss`` is NaN or infinite and no guard ran.
+    """
+    if guarded or math.isfinite(train_loss):
+        return
+    raise NonFiniteError(
+        f"epoch {epoch}: the mean train loss over all ranks is {train_loss}: "
+        "training diverged or the data holds NaN/Inf. Rerun with --on-nonfinite "
+        "raise to stop at the first such step and name the rank (or skip to drop "
+        "those steps); a lower --lr often helps."
+    )
+
+
+def _log_epoch(record: dict, num_epochs: int) -> None:
+    get_logger("train").info(
+        "epoch %d/%d  train_loss %.4f  test_loss %.4f  test_acc %.4f  %.0f samples/s",
+        record["epoch"], num_epochs, record["train_loss"], record["test_loss"],
+        record["test_accuracy"], record["samples_per_s"],
+    )  # fmt: skip
+
+
+def _write_outputs(output_dir: Path, runtime: Runtime, model: nn.Module, summary: dict) -> None:
+    """Rank 0 writes ``model.pt`` and ``summary.json`` atomically and logs what is there."""
+    if not runtime.is_rank_zero:
+        return
+    torch.save(model_state_dict(model), output_dir / ".model.pt.tmp")
+    os.replace(output_dir / ".model.pt.tmp", output_dir / "model.pt")
+    write_json_atomic(output_dir / "summary.json", summary)
+    written = sorted(p.name for p in output_dir.iterdir() if not p.name.startswith("."))
+    get_logger("train").info(
+        "wrote %s (%s); plot it with: ddpkit plot %s", output_dir, ", ".join(written), output_dir
+    )

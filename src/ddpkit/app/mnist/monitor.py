@@ -20,6 +20,7 @@ from ddpkit.distributed.process_group import Runtime
 from ddpkit.distributed.sampler import ShardedLoader
 from ddpkit.log import get_logger
 from ddpkit.training.observe import StepTimer
+from ddpkit.training.step import StepResult
 
 PROGRESS_MODES = ("auto", "on", "off")
 TENSORBOARD_MODES = ("auto", "off")
@@ -126,14 +127,15 @@ class TrainingMonitor:
         self.bar = progress_bar(self.runtime, total, self.progress, f"epoch {epoch}/{num_epochs}")
         self._log_mark = (time.perf_counter(), 0)
 
-    def on_step(self, step: int) -> None:
-        """After optimizer step ``step``: advance the bar; every ``log_every`` steps, a record.
+    def on_step(self, step: int, result: StepResult) -> None:
+        """After optimizer step ``step`` (its ``result``): advance the bar; every ``log_every``
+        steps, a record.
 
         Collective: call on every rank (the record's loss is all-reduced).
         """
         timer = self.timer
-        self._since_log[0] += timer.last_loss_sum
-        self._since_log[1] += timer.last_num_samples
+        self._since_log[0] += result.loss_sum
+        self._since_log[1] += result.num_samples
         if self.bar is not None:
             self.bar.update(timer.num_samples - self.bar.n)
         if not self.log_every or step % self.log_every:

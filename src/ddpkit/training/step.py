@@ -1,0 +1,232 @@
+"""One optimizer step of data-parallel training, spelled out: :class:`TrainStep`.
+
+What one call does, in order (``ddpkit train`` and ``ddpkit bench``'s ddpkit form run exactly
+this)::
+
+    optimizer.zero_grad(set_to_none=True)
+    for micro in window:                          # K micro-batches (num_micro_steps)
+        with micro:                               # DDP no_sync() unless the last; autocast
+            loss = loss_fn(model(x), y)           # forward inside: DDP decides sync here
+            micro.backward(loss)                  # normalised over the global batch; scaled
+    if guard is None or guard.check(step, loss, model):   # NaN/Inf, decided by every rank
+        precision.step(optimizer, model, max_norm)        # unscale, clip, step, scaler update
+
+Gradients are all-reduced once per optimizer step, during the last micro-step's backward (DDP
+overlaps it with backward). The wrap guard that :func:`ddpkit.wrap_model` attaches checks every
+forward and backward of the step (parameters changed after wrapping, a backward DDP does not
+sync); the unused-parameter diagnosis explains DDP's errors in the same place.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+from ddpkit.distributed.process_group import Runtime
+from ddpkit.guards.nonfinite import NonFiniteGuard
+from ddpkit.training.accumulation import (
+    AccumulationWindow,
+    GradientAccumulator,
+    default_num_samples,
+)
+from ddpkit.training.observe import StepTimer
+from ddpkit.training.precision import MixedPrecision
+
+LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+@dataclass(frozen=True)
+class StepResult:
+    """What one optimizer step did, on this rank.
+
+    Attributes:
+        step: the optimizer step's number, from 1 (counting on from ``start_step``); taken or
+            skipped, every step counts.
+        loss_sums: per micro-step, this rank's micro-batch mean loss times its samples.
+        num_samples: this rank's samples in the step (all its micro-batches).
+        num_samples_global: every rank's samples in the step (the loss normaliser).
+        skipped: the optimizer did not step: the non-finite guard or the 16-mixed loss scaler
+            skipped it (the same decision on every rank).
+        grad_norm: total L2 norm of the unscaled gradients before clipping, when clipping is on
+            and the step was not skipped by the guard; else ``None``.
+        phase_s: seconds of this step per phase (``data_wait``, ``forward``,
+            ``backward_comm``, ``optimizer``; see :class:`~ddpkit.StepTimer`) when timed, else
+            ``None``.
+    """
+
+    step: int
+    loss_sums: tuple[float, ...]
+    num_samples: int
+    num_samples_global: int
+    skipped: bool
+    grad_norm: float | None = None
+    phase_s: Mapping[str, float] | None = None
+
+    @property
+    def loss_sum(self) -> float:
+        """This rank's summed per-sample loss of the step (float, Python's ``sum``)."""
+        return sum(self.loss_sums)
+
+    @property
+    def loss(self) -> float:
+        """This rank's mean loss per sample in the step (NaN/Inf when its loss was).
+
+        The step's loss over the whole global batch is the sum over ranks of ``loss_sum``
+        divided by ``num_samples_global`` (one all-reduce, e.g. :func:`ddpkit.all_reduce_sum`;
+        the step itself adds none).
+        """
+        return self.loss_sum / max(self.num_samples, 1)
+
+
+class TrainStep:
+    """One optimizer step: zero_grad, K micro-steps, guards, unscale/clip/step.
+
+    Call it with the windows of :meth:`windows` (one window = one optimizer step); or iterate
+    :func:`~ddpkit.train_epoch`, which does that for one pass over a loader and yields each
+    :class:`StepResult`. The LR schedule, checkpoints and logging stay in the caller's loop.
+
+    Collective: call on every rank, for every window (DDP's gradient all-reduce; the guard's and
+    the 16-mixed scaler's small all-reduces). At world size 1 (a plain module) nothing syncs.
+
+    Args:
+        model: the wrapped model (:func:`ddpkit.wrap_model`), or a plain module.
+        optimizer: the optimizer over ``model``'s parameters.
+        runtime: the job's :class:`~ddpkit.Runtime`.
+        num_micro_steps: K, micro-batches per optimizer step (gradient accumulation; 1 = none).
+        precision: autocast, loss scaling and clipping (default: fp32,
+            ``MixedPrecision("32", runtime)``). Its ``scaler`` is what a checkpoint saves.
+        loss_fn: ``loss_fn(outputs, targets)``: a micro-batch's *mean* loss (cross-entropy).
+        clip_grad_norm: clip the total L2 norm of the unscaled gradients to this (0 = off).
+        guard: a :class:`~ddpkit.guards.nonfinite.NonFiniteGuard` deciding, across ranks,
+            whether a step with a NaN/Inf loss or gradient is skipped or raises (``None``: no
+            check, no all-reduce). Not with ``16-mixed``, whose scaler skips such steps.
+        timer: a :class:`~ddpkit.StepTimer` splitting each step's time (``None``: untimed).
+        start_step: optimizer steps already taken (after a resume); the next step is
+            ``start_step + 1``.
+        same_batch_sizes: see :class:`~ddpkit.GradientAccumulator`.
+        num_samples_fn: see :class:`~ddpkit.GradientAccumulator`.
+
+    Each batch is ``(inputs, targets)``, moved to ``runtime.device`` in the step.
+
+    Attributes:
+        num_steps: optimizer steps run so far, taken or skipped (``start_step`` included).
+        precision: the :class:`~ddpkit.MixedPrecision` the step uses.
+        accumulator: the :class:`~ddpkit.GradientAccumulator` that forms the windows.
+        timer: the step timer (a disabled one when none was given).
+
+    Raises:
+        ConfigError: ``num_micro_steps`` is not a positive integer, or above 1 with DDP's
+            ``static_graph=True`` (see :class:`~ddpkit.GradientAccumulator`).
+
+    Example:
+        >>> step = TrainStep(model, optimizer, runtime=rt, num_micro_steps=4)  # doctest: +SKIP
+        >>> for result in ddpkit.train_epoch(step, loader):
+        ...     if not result.skipped:
+        ...         schedule.step()
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer,
+        *,
+        runtime: Runtime,
+        num_micro_steps: int = 1,
+        precision: MixedPrecision | None = None,
+        loss_fn: LossFn = F.cross_entropy,
+        clip_grad_norm: float = 0.0,
+        guard: NonFiniteGuard | None = None,
+        timer: StepTimer | None = None,
+        start_step: int = 0,
+        same_batch_sizes: bool | None = None,
+        num_samples_fn: Callable[[Any], int] = default_num_samples,
+    ) -> None:
+        self.model = model
+        self.optimizer = optimizer
+        self.runtime = runtime
+        self.precision = precision or MixedPrecision("32", runtime)
+        self.accumulator = GradientAccumulator(
+            model, runtime, num_micro_steps, self.precision,
+            same_batch_sizes=same_batch_sizes, num_samples_fn=num_samples_fn,
+        )  # fmt: skip
+        self.loss_fn = loss_fn
+        self.clip_grad_norm = clip_grad_norm
+        self.guard = guard
+        self.timer = timer or StepTimer(runtime, enabled=False)
+        self.num_steps = start_step
+
+    @property
+    def num_micro_steps(self) -> int:
+        """K, micro-batches per optimizer step."""
+        return self.accumulator.num_micro_steps
+
+    def num_optimizer_steps(self, num_batches: int) -> int:
+        """Optimizer steps for ``num_batches`` micro-batches: ``ceil(num_batches / K)``."""
+        return self.accumulator.num_optimizer_steps(num_batches)
+
+    def windows(self, batches: Iterable[Any]) -> Iterator[AccumulationWindow]:
+        """One window of up to K micro-batches per optimizer step (see
+        :meth:`ddpkit.GradientAccumulator.windows`). Collective: iterate on every rank."""
+        return self.accumulator.windows(batches)
+
+    def __call__(self, window: AccumulationWindow) -> StepResult:
+        """Run one optimizer step on ``window``'s micro-batches.
+
+        Collective: call on every rank with its window of the same index.
+
+        Raises:
+            NonFiniteError: the guard is in ``raise`` mode and a rank's loss or gradients hold
+                NaN/Inf (on every rank, naming the ranks and the step).
+            DistributedError: the ranks' step counters or 16-mixed loss scales differ.
+        """
+        timer = self.timer
+        with timer.phase("optimizer"):
+            self.optimizer.zero_grad(set_to_none=True)
+        window_loss, loss_sums, num_samples = self._micro_steps(window)
+        self.num_steps += 1
+        with timer.phase("optimizer"):
+            stepped, grad_norm = self._update(window_loss)
+        return StepResult(
+            step=self.num_steps,
+            loss_sums=tuple(loss_sums),
+            num_samples=num_samples,
+            num_samples_global=window.num_samples,
+            skipped=not stepped,
+            grad_norm=grad_norm,
+            phase_s=timer.end_step(window.num_samples),
+        )
+
+    def _micro_steps(self, window: AccumulationWindow) -> tuple[torch.Tensor, list[float], int]:
+        """Forward and backward of the window's micro-steps (the last syncs gradients).
+
+        Returns:
+            ``(summed micro-batch mean losses, per-micro-step loss x samples, local samples)``.
+        """
+        device, timer = self.runtime.device, self.timer
+        window_loss = torch.zeros((), device=device)
+        loss_sums: list[float] = []
+        num_samples = 0
+        for micro in window:
+            with timer.phase("data_wait"):
+                inputs, targets = (t.to(device) for t in micro.batch)
+            with micro:  # no_sync() unless last; forward AND backward inside
+                with timer.phase("forward"):
+                    loss = self.loss_fn(self.model(inputs), targets)
+                with timer.phase("backward_comm"):  # includes DDP's overlapped all-reduce
+                    micro.backward(loss)
+            window_loss += loss.detach().float()
+            loss_sums.append(float(loss.detach()) * len(targets))
+            num_samples += len(targets)
+        return window_loss, loss_sums, num_samples
+
+    def _update(self, window_loss: torch.Tensor) -> tuple[bool, float | None]:
+        """The guard's decision, then unscale/clip/step: ``(stepped, grad_norm)``."""
+        if self.guard is not None and not self.guard.check(self.num_steps, window_loss, self.model):
+            return False, None
+        update = self.precision.step(self.optimizer, self.model, self.clip_grad_norm)
+        return update.stepped, update.grad_norm
