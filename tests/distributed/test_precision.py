@@ -48,10 +48,11 @@ def _fp16_step_rank(runtime: Runtime, directory: str):
                 micro.backward(F.cross_entropy(logits, y))
         result = precision.step(optimizer, model, max_norm=MAX_NORM)
     scale_after = precision.scaler.get_scale()
-    ckpt = ddpkit.CheckpointManager(directory, runtime)
-    ckpt.save(1, model=model, scaler=precision.scaler)
+    state = {"model": model, "scaler": precision.scaler}
+    ddpkit.CheckpointManager(directory, runtime, state=state).save(1)
     fresh = MixedPrecision("16-mixed", runtime, init_scale=2.0)
-    ckpt.resume(model=model, scaler=fresh.scaler)
+    state = {"model": model, "scaler": fresh.scaler}
+    ddpkit.CheckpointManager(directory, runtime, state=state).resume()
     return {
         "update": _flat(model) - before,
         "grad_norm": result.grad_norm,

@@ -170,9 +170,6 @@ def train_mnist(config: TrainConfig, runtime: Runtime, source: DataSource) -> di
     schedule = torch.optim.lr_scheduler.OneCycleLR(
         inner_optimizer, max_lr=config.lr, total_steps=steps_per_epoch * config.epochs
     )
-    ckpt = CheckpointManager(
-        output_dir / "checkpoints", runtime, every_steps=config.checkpoint_every
-    )
     state = {
         "model": model,
         "optimizer": optimizer,
@@ -181,10 +178,14 @@ def train_mnist(config: TrainConfig, runtime: Runtime, source: DataSource) -> di
         "loader": train_loader,
     }
     settings = {**resume_settings(config), "dataset": source.dataset}
+    ckpt = CheckpointManager(
+        output_dir / "checkpoints", runtime, state=state, every_steps=config.checkpoint_every,
+        extra=settings,
+    )  # fmt: skip
     step = 0
     if config.resume:
         path = None if config.resume == "auto" else config.resume
-        step = ckpt.resume(**state, path=path, extra=settings)
+        step = ckpt.resume(path)
         if path is None and step == 0:
             get_logger("train").info(
                 "--resume auto: no complete checkpoint in %s, starting from step 0", ckpt.directory
@@ -212,7 +213,7 @@ def train_mnist(config: TrainConfig, runtime: Runtime, source: DataSource) -> di
         if config.check_replicas_every and step % config.check_replicas_every == 0:
             if averager is None or averager.just_averaged:  # local SGD: equal only then
                 check_replicas(model, runtime, step)
-        ckpt.maybe_save(step, **state, extra=settings)
+        ckpt.maybe_save(step)
         monitor.on_step(step)
 
     global_batch = config.batch_size * runtime.world_size * config.grad_accum
