@@ -27,7 +27,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=20)
     args = parser.parse_args()
-    rt = Runtime(ProcessInfo(), None, torch.device("cpu"))
+    rt = Runtime(ProcessInfo())
     model = MnistCNN()
     optimizer = torch.optim.Adam(model.parameters())
     F.cross_entropy(model(torch.randn(8, 1, 28, 28)), torch.zeros(8, dtype=torch.long)).backward()

@@ -95,7 +95,7 @@ def test_evaluate_scores_the_saved_model(world_size, ddp_options):
     saved = _bn_net()
     saved.load_state_dict(results[0]["state"])  # what rank 0 saves
     whole = DataLoader(_test_set(), batch_size=90)
-    reference = ddpkit.evaluate(saved, whole, Runtime(ProcessInfo(), None, torch.device("cpu")))
+    reference = ddpkit.evaluate(saved, whole, Runtime(ProcessInfo()))
     for rank, result in enumerate(results):
         metrics = result["metrics"]
         assert metrics["num_samples"] == 90
@@ -115,7 +115,7 @@ def _replica_check_rank(runtime, ddp_options: dict, compiled: bool = False) -> l
 
     def check(step: int) -> None:
         try:
-            check_replicas(model, runtime, step)
+            check_replicas(model, runtime, step=step)
             outcomes.append("ok")
         except ReplicaDivergenceError as exc:
             outcomes.append(str(exc))

@@ -74,9 +74,9 @@ def _epoch(runtime: Runtime, net: nn.Module, data_sleep_s: float, k: int, timed:
     model = ddpkit.wrap_model(net, runtime)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda _: 1.0)
-    loader = ddpkit.build_train_loader(_Samples(data_sleep_s), runtime, BATCH, seed=1)
+    loader = ddpkit.build_train_loader(_Samples(data_sleep_s), runtime, batch_size=BATCH, seed=1)
     timer = StepTimer(runtime) if timed else None
-    accumulator = GradientAccumulator(model, runtime, k)
+    accumulator = GradientAccumulator(model, runtime, num_micro_steps=k)
     train_one_epoch(model, loader, optimizer, schedule, runtime, accumulator=accumulator,
                     timer=timer)  # fmt: skip
     params = [p.detach().clone() for p in model.parameters()]

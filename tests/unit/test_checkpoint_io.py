@@ -20,7 +20,7 @@ from ddpkit.errors import DataError
 
 
 def _runtime() -> Runtime:
-    return Runtime(ProcessInfo(), None, torch.device("cpu"))
+    return Runtime(ProcessInfo())
 
 
 def _save_steps(directory, steps, keep_last=5):
@@ -78,7 +78,7 @@ def test_load_model_state_accepts_module_prefix_and_refuses_no_match():
 
 def test_world_size_change_is_refused_naming_both(tmp_path):
     ckpt, model = _save_steps(tmp_path, [3])
-    two = Runtime(ProcessInfo(rank=0, world_size=2, local_world_size=2), None, torch.device("cpu"))
+    two = Runtime(ProcessInfo(rank=0, world_size=2, local_world_size=2))
     with pytest.raises(ddpkit.ConfigError, match=r"world_size 1 \(this job: 2\)"):
         ddpkit.CheckpointManager(tmp_path, two, state={"model": model}).resume()
 

@@ -20,7 +20,7 @@ from ddpkit.errors import DataError
 
 
 def _runtime() -> Runtime:
-    return Runtime(ProcessInfo(), None, torch.device("cpu"))
+    return Runtime(ProcessInfo())
 
 
 class _Ema:

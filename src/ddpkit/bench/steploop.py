@@ -290,9 +290,11 @@ def _ddpkit_form(
     with init_runtime("auto", store=store, stall_timeout_s=stall_timeout_s) as runtime:
         torch.manual_seed(config.seed)
         model, optimizer, _, _ = build_model_and_optimizer(config, runtime)
-        loader = build_train_loader(data, runtime, config.batch_size, seed=config.seed)
+        loader = build_train_loader(data, runtime, batch_size=config.batch_size, seed=config.seed)
         precision = MixedPrecision(config.precision, runtime)
-        accumulator = GradientAccumulator(model, runtime, config.grad_accum, precision)
+        accumulator = GradientAccumulator(
+            model, runtime, num_micro_steps=config.grad_accum, precision=precision
+        )
 
         def step(window) -> None:  # the body of ddpkit.training.loop.train_one_epoch
             optimizer.zero_grad(set_to_none=True)
@@ -301,7 +303,7 @@ def _ddpkit_form(
                 with micro:
                     loss = F.cross_entropy(model(inputs), targets)
                     micro.backward(loss)
-            precision.step(optimizer, model, config.clip_grad_norm)
+            precision.step(optimizer, model, max_norm=config.clip_grad_norm)
 
         seconds = timed_steps(iter(accumulator.windows(loader)), step, settings)
         return _result(model, seconds)

@@ -249,8 +249,8 @@ def _train_here(args: argparse.Namespace, config: TrainConfig, source: DataSourc
     on = bool(args.stall_timeout)  # 0 = the watchdog off: no stall and no deadlock reports
     with init_runtime(
         args.backend,
-        args.init_timeout,
-        args.train_timeout,
+        init_timeout_s=args.init_timeout,
+        train_timeout_s=args.train_timeout,
         stall_timeout_s=args.stall_timeout if on else None,
         deadlock_timeout_s=5.0 if on else None,
     ) as runtime:

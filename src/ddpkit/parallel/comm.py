@@ -46,7 +46,7 @@ from ddpkit.log import get_logger
 GRAD_COMPRESSIONS = ("none", "fp16", "bf16", "powersgd")
 
 
-@dataclass
+@dataclass(kw_only=True)
 class CommStats:
     """Bytes this rank handed to all-reduce, counted by ddpkit's wrapping hooks.
 

@@ -95,9 +95,10 @@ class PeriodicAverager(averagers.ModelAverager):
 def enable_local_sgd(
     model: DistributedDataParallel,
     optimizer: torch.optim.Optimizer,
+    *,
     runtime: Runtime,
     sync_every: int,
-    stats: CommStats | None = None,
+    comm_stats: CommStats | None = None,
 ) -> PostLocalSGDOptimizer:
     """Turn a DDP model and its optimizer into local SGD with averaging every ``sync_every`` steps.
 
@@ -115,7 +116,8 @@ def enable_local_sgd(
         optimizer: the local optimizer over ``model``'s parameters.
         runtime: the job's runtime (its training process group averages).
         sync_every: H >= 2, optimizer steps between parameter averaging rounds.
-        stats: a :class:`CommStats` to count gradient and averaging bytes in.
+        comm_stats: a :class:`CommStats` to count gradient and averaging bytes in (the same
+            name as :func:`~ddpkit.wrap_model`'s).
 
     Returns:
         ``torch.distributed.optim.PostLocalSGDOptimizer``; ``.averager`` is a
@@ -127,7 +129,7 @@ def enable_local_sgd(
 
     Example:
         >>> opt = enable_local_sgd(ddp_model, torch.optim.SGD(ddp_model.parameters(), 0.1),
-        ...                        rt, sync_every=4)                       # doctest: +SKIP
+        ...                        runtime=rt, sync_every=4)               # doctest: +SKIP
     """
     if not isinstance(sync_every, int) or sync_every < 2:
         raise ConfigError(
@@ -137,7 +139,7 @@ def enable_local_sgd(
     if not isinstance(model, DistributedDataParallel):
         raise ConfigError(
             f"local SGD needs a DistributedDataParallel model: got {type(model).__name__}. "
-            "Wrap it with ddpkit.wrap_model(model, runtime, 'ddp') first."
+            "Wrap it with ddpkit.wrap_model(model, runtime, strategy='ddp') first."
         )
     if getattr(model, "static_graph", False):
         raise ConfigError(
@@ -151,7 +153,7 @@ def enable_local_sgd(
             "local SGD on a DDP model with a comm hook: local SGD sends no gradients, so the "
             "hook (gradient compression?) would never run. Wrap the model without one."
         )
-    stats = stats if stats is not None else CommStats()
+    stats = comm_stats if comm_stats is not None else CommStats()
     averager = PeriodicAverager(sync_every, runtime.process_group, stats)
     # entered here and never left while the averager lives: gradient sync is off for good
     averager.sync_off.enter_context(model.no_sync())

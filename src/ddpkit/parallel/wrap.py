@@ -70,8 +70,8 @@ def unwrap_model(model: nn.Module) -> nn.Module:
 def wrap_model(
     model: nn.Module,
     runtime: Runtime,
-    strategy: str = "auto",
     *,
+    strategy: str = "auto",
     sync_batchnorm: bool = False,
     grad_compression: str = "none",
     comm_stats: CommStats | None = None,

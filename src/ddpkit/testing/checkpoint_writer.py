@@ -24,7 +24,7 @@ def main(argv: list[str]) -> None:
         model: torch.nn.Module = MnistCNN()
     else:
         model = torch.nn.Linear(256, 256)
-    runtime = Runtime(ProcessInfo(), None, torch.device("cpu"))
+    runtime = Runtime(ProcessInfo())
     ckpt = CheckpointManager(argv[0], runtime, state={"model": model}, keep_last=2)
     step = ckpt.resume()
     print("ready", flush=True)

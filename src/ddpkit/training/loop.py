@@ -80,9 +80,13 @@ def train_one_epoch(
             num_samples += step_samples
             with timer.phase("optimizer"):
                 if may_step is None or may_step(window_loss):
-                    if accumulator.precision.step(optimizer, model, clip_grad_norm).stepped:
+                    if accumulator.precision.step(
+                        optimizer, model, max_norm=clip_grad_norm
+                    ).stepped:
                         schedule.step()
-            timer.end_step(window.num_samples, sum(step_loss_sum), int(step_samples))
+            timer.end_step(
+                window.num_samples, loss_sum=sum(step_loss_sum), num_samples=int(step_samples)
+            )
             if on_step is not None:
                 on_step()
     seconds = time.perf_counter() - start

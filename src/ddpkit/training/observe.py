@@ -117,7 +117,7 @@ class StepTimer:
         if self._sync:
             torch.cuda.synchronize(self.runtime.device)
 
-    def end_step(self, num_samples_global: int, loss_sum: float, num_samples: int) -> None:
+    def end_step(self, num_samples_global: int, *, loss_sum: float, num_samples: int) -> None:
         """Count one optimizer step: its global samples, this rank's loss sum and samples."""
         self.num_steps += 1
         self.num_samples += num_samples_global

@@ -66,7 +66,7 @@ def verify_even_batches(num_batches: int, runtime: Runtime) -> None:
 
 
 def join_uneven_inputs(
-    model: nn.Module, runtime: Runtime, enable: bool = True
+    model: nn.Module, runtime: Runtime, *, enable: bool = True
 ) -> contextlib.AbstractContextManager:
     """A context in which ranks may run different numbers of DDP iterations without hanging.
 

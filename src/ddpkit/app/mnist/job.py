@@ -69,7 +69,7 @@ def build_model_and_optimizer(
     model = wrap_model(
         MnistCNN(),
         runtime,
-        config.strategy,
+        strategy=config.strategy,
         sync_batchnorm=config.sync_batchnorm,
         grad_compression=config.grad_compression,
         comm_stats=stats if hooked else None,
@@ -80,7 +80,9 @@ def build_model_and_optimizer(
     inner = build_optimizer(config.optimizer, model.parameters(), config.lr)
     optimizer = inner
     if local_sgd:
-        optimizer = enable_local_sgd(model, inner, runtime, config.sync_every, stats)
+        optimizer = enable_local_sgd(
+            model, inner, runtime=runtime, sync_every=config.sync_every, comm_stats=stats
+        )
     elif stats is not None and not hooked and isinstance(model, DistributedDataParallel):
         stats.builtin_sync_bytes = sum(
             p.numel() * p.element_size() for p in model.parameters() if p.requires_grad
@@ -159,13 +161,15 @@ def train_mnist(config: TrainConfig, runtime: Runtime, source: DataSource) -> di
     train_loader = build_train_loader(
         train_set,
         runtime,
-        config.batch_size,
+        batch_size=config.batch_size,
         seed=config.seed,
         max_batches=config.max_steps * config.grad_accum or None,
     )
     test_loader = build_eval_loader(test_set, runtime, batch_size=1000)
     precision = MixedPrecision(config.precision, runtime)
-    accumulator = GradientAccumulator(model, runtime, config.grad_accum, precision)
+    accumulator = GradientAccumulator(
+        model, runtime, num_micro_steps=config.grad_accum, precision=precision
+    )
     steps_per_epoch = accumulator.num_optimizer_steps(len(train_loader))  # optimizer steps
     schedule = torch.optim.lr_scheduler.OneCycleLR(
         inner_optimizer, max_lr=config.lr, total_steps=steps_per_epoch * config.epochs
@@ -201,7 +205,7 @@ def train_mnist(config: TrainConfig, runtime: Runtime, source: DataSource) -> di
     first_step = step
 
     def may_step(loss: torch.Tensor) -> bool:
-        return guard is None or guard.check(step + 1, loss, model)
+        return guard is None or guard.check(step + 1, loss, model=model)
 
     def on_step() -> None:
         nonlocal step
@@ -212,7 +216,7 @@ def train_mnist(config: TrainConfig, runtime: Runtime, source: DataSource) -> di
             os.kill(os.getpid(), signal.SIGKILL)
         if config.check_replicas_every and step % config.check_replicas_every == 0:
             if averager is None or averager.just_averaged:  # local SGD: equal only then
-                check_replicas(model, runtime, step)
+                check_replicas(model, runtime, step=step)
         ckpt.maybe_save(step)
         monitor.on_step(step)
 
