@@ -27,20 +27,21 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=20)
     args = parser.parse_args()
-    rt = Runtime(ProcessInfo(), None, torch.device("cpu"))
+    rt = Runtime(ProcessInfo())
     model = MnistCNN()
     optimizer = torch.optim.Adam(model.parameters())
     F.cross_entropy(model(torch.randn(8, 1, 28, 28)), torch.zeros(8, dtype=torch.long)).backward()
     optimizer.step()  # so the optimizer holds its moment estimates
     save_s, load_s = [], []
     with tempfile.TemporaryDirectory() as tmp:
-        ckpt = ddpkit.CheckpointManager(tmp, rt, keep_last=2)
+        state = {"model": model, "optimizer": optimizer}
+        ckpt = ddpkit.CheckpointManager(tmp, rt, state=state, keep_last=2)
         for step in range(1, args.repeats + 1):
             start = time.perf_counter()
-            folder = ckpt.save(step, model=model, optimizer=optimizer)
+            folder = ckpt.save(step)
             save_s.append(time.perf_counter() - start)
             start = time.perf_counter()
-            ckpt.resume(model=model, optimizer=optimizer)
+            ckpt.resume()
             load_s.append(time.perf_counter() - start)
         size_mib = sum(p.stat().st_size for p in Path(folder).iterdir()) / 2**20
     params = sum(p.numel() for p in model.parameters())

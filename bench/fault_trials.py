@@ -58,7 +58,6 @@ def rank_kill_trial(rng: random.Random, workdir: Path) -> tuple[bool, str]:
 
 
 def writer_kill_trial(rng: random.Random, directory: Path) -> tuple[bool, str]:
-    import torch
 
     import ddpkit
     from ddpkit.distributed.env import ProcessInfo
@@ -73,9 +72,7 @@ def writer_kill_trial(rng: random.Random, directory: Path) -> tuple[bool, str]:
     time.sleep(rng.uniform(0.02, 1.0))
     proc.send_signal(signal.SIGKILL)
     proc.wait()
-    found = ddpkit.CheckpointManager(
-        directory, Runtime(ProcessInfo(), None, torch.device("cpu"))
-    ).load_latest()
+    found = ddpkit.CheckpointManager(directory, Runtime(ProcessInfo())).load_latest()
     return found is not None, f"newest loadable: {found[0].name if found else None}"
 
 

@@ -1,5 +1,5 @@
 """Local SGD two ways against the no-sync ceiling: torch's ``post_localSGD_hook`` against DDP's
-gradient-sync flag turned off (what ``ddpkit.enable_local_sgd`` does), interleaved.
+``no_sync()`` held open for the whole run (what ``ddpkit.enable_local_sgd`` does), interleaved.
 
     python bench/local_sgd_paths.py --rounds 7 --steps 150 --period 4
 
@@ -7,8 +7,8 @@ The MNIST CNN step loop of ``ddpkit bench overhead`` (batch 64 per rank, 2 proce
 random MNIST-shaped data, 10 warm-up steps, fresh processes per run, the order rotated each
 round). Forms: ``no_sync`` (the raw loop inside ``model.no_sync()``: the ceiling), ``hook``
 (``post_localSGD_hook`` with ``start_localSGD_iter=0``, ``post_local_gradient_allreduce=False``,
-and ddpkit's averager in ``PostLocalSGDOptimizer``), ``flag`` (``require_backward_grad_sync``
-off, the same optimizer). ``hook`` and ``flag`` compute the same parameters; only the work DDP
+and ddpkit's averager in ``PostLocalSGDOptimizer``), ``flag`` (``model.no_sync()`` entered once
+and held, the same optimizer). ``hook`` and ``flag`` compute the same parameters; only the work DDP
 does per step differs. Prints per form the median samples/s and the median of the per-round
 ratios to ``no_sync``.
 """
@@ -51,10 +51,10 @@ def _worker(store: dist.Store, form: str, settings: StepLoopSettings, period: in
                 None, None, start_localSGD_iter=0, post_local_gradient_allreduce=False
             )
             model.register_comm_hook(state, post_localSGD_hook.post_localSGD_hook)
-        elif form == "flag":
-            model.require_backward_grad_sync = False
+        averager = PeriodicAverager(period, None, CommStats())
+        if form == "flag":
+            averager.sync_off.enter_context(model.no_sync())
         if form != "no_sync":
-            averager = PeriodicAverager(period, None, CommStats())
             optimizer = PostLocalSGDOptimizer(optimizer, averager)
         data = _dataset(settings, world_size)
         sampler = DistributedSampler(data, world_size, rank, shuffle=True, seed=settings.seed)

@@ -45,15 +45,16 @@ def _save_rank(rt, repeats: int) -> dict[str, float]:
     shipped, without, digest = [], [], []
     real = consistency.replicated_digests
     with tempfile.TemporaryDirectory() as tmp:
-        ckpt = ddpkit.CheckpointManager(tmp, rt, keep_last=2)
+        state = {"model": model, "optimizer": optimizer}
+        ckpt = ddpkit.CheckpointManager(tmp, rt, state=state, keep_last=2)
         for step in range(1, 2 * repeats + 1):
             compare = step % 2 == 1
             manager.replicated_digests = real if compare else (lambda *a, **k: {})
             start = time.perf_counter()
-            ckpt.save(step, model=model, optimizer=optimizer)
+            ckpt.save(step)
             (shipped if compare else without).append(time.perf_counter() - start)
             start = time.perf_counter()
-            real(model, states={"optimizer": optimizer}, optimizer_sharded=False)
+            real(state)
             digest.append(time.perf_counter() - start)
     manager.replicated_digests = real
     return {"with_ms": _ms(shipped), "without_ms": _ms(without), "digest_ms": _ms(digest)}

@@ -37,7 +37,7 @@ def main() -> None:
         torch.manual_seed(0)
         model = ddpkit.wrap_model(nn.Sequential(nn.Linear(4, 32), nn.ReLU(), nn.Linear(32, 4)), rt)
         optimizer = torch.optim.SGD(model.parameters(), lr=0.2)
-        train = ddpkit.build_train_loader(make_data(2048), rt, args.batch_size, seed=0)
+        train = ddpkit.build_train_loader(make_data(2048), rt, batch_size=args.batch_size, seed=0)
         test = ddpkit.build_eval_loader(make_data(500), rt, batch_size=100)
         for epoch in range(args.epochs):
             for x, y in train:  # the sampler's epoch advances by itself on each pass

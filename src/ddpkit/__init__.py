@@ -10,17 +10,21 @@ The public API (everything else is internal)::
         for epoch in range(3):
             for x, y in loader:                             # the sampler epoch advances itself
                 ...
-        metrics = ddpkit.evaluate(model, ddpkit.build_eval_loader(test_set, rt, 1000), rt)
+        test_loader = ddpkit.build_eval_loader(test_set, rt, batch_size=1000)
+        metrics = ddpkit.evaluate(model, test_loader, rt)   # every test sample counted once
         # or the step spelled out: step = ddpkit.TrainStep(model, optimizer, runtime=rt)
         # and `for result in ddpkit.train_epoch(step, loader): ...` (one result per step);
         # step-time split: TrainStep(..., timer=ddpkit.StepTimer(rt)), then
         # timer.epoch_summary(rt) on every rank (one collective per epoch)
 
 Launch with ``ddpkit run -n 2 train.py`` or ``torchrun --nproc-per-node 2 train.py``.
+Every name in ``__all__`` has an entry in docs/api.md (tests/unit/test_public_api.py checks it);
+arguments past the first two of every public callable are keyword-only.
 """
 
 from ddpkit.checkpoint.manager import CheckpointManager
 from ddpkit.checkpoint.state import load_model_state
+from ddpkit.diagnostics.translate import explain
 from ddpkit.distributed.collectives import (
     all_gather,
     all_gather_object,
@@ -36,8 +40,10 @@ from ddpkit.distributed.sampler import (
     build_eval_loader,
     build_train_loader,
 )
+from ddpkit.distributed.watchdog import DeadlockError, StallError
 from ddpkit.errors import ConfigError, DataError, DdpkitError, DistributedError
-from ddpkit.guards.replicas import check_replicas
+from ddpkit.guards.nonfinite import NonFiniteError, NonFiniteGuard
+from ddpkit.guards.replicas import ReplicaDivergenceError, check_replicas
 from ddpkit.guards.wrapped import WrappedModelError
 from ddpkit.log import configure_logging, get_logger
 from ddpkit.parallel.comm import CommStats
@@ -61,12 +67,17 @@ __all__ = [
     "ConfigError",
     "DataError",
     "DdpkitError",
+    "DeadlockError",
     "DistributedError",
     "GradientAccumulator",
     "MixedPrecision",
+    "NonFiniteError",
+    "NonFiniteGuard",
     "ProcessInfo",
+    "ReplicaDivergenceError",
     "Runtime",
     "ShardedLoader",
+    "StallError",
     "StepResult",
     "StepTimer",
     "TrainStep",
@@ -88,6 +99,7 @@ __all__ = [
     "detect_process_info",
     "enable_local_sgd",
     "evaluate",
+    "explain",
     "get_logger",
     "init_runtime",
     "join_uneven_inputs",

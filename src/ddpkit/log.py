@@ -58,6 +58,7 @@ class _StdoutBelowWarning(logging.Filter):
 
 def configure_logging(
     info: ProcessInfo,
+    *,
     level: int = logging.INFO,
     all_ranks: bool = False,
     logger_name: str = "ddpkit",

@@ -60,8 +60,8 @@ def _accumulate_rank(runtime: Runtime, num_micro_steps: int):
     # first bucket, then rebuilds them)
     model = ddpkit.wrap_model(_net(), runtime, bucket_cap_mb=1e-4)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
-    loader = ddpkit.build_train_loader(_dataset(), runtime, PER_RANK_BATCH, seed=3)
-    accumulator = GradientAccumulator(model, runtime, num_micro_steps)
+    loader = ddpkit.build_train_loader(_dataset(), runtime, batch_size=PER_RANK_BATCH, seed=3)
+    accumulator = GradientAccumulator(model, runtime, num_micro_steps=num_micro_steps)
     state = _CountingState(runtime.process_group, accumulator)
     model.register_comm_hook(state, _counting_hook)
     per_step, windows = [], []
@@ -79,10 +79,12 @@ def _accumulate_rank(runtime: Runtime, num_micro_steps: int):
 
 def _reference() -> list[torch.Tensor]:
     """One process, no accumulation: each optimizer step takes the whole global batch."""
-    single = Runtime(ProcessInfo(), None, torch.device("cpu"))
+    single = Runtime(ProcessInfo())
     model = _net()
     optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
-    loader = ddpkit.build_train_loader(_dataset(), single, PER_RANK_BATCH * 2 * K, seed=3)
+    loader = ddpkit.build_train_loader(
+        _dataset(), single, batch_size=PER_RANK_BATCH * 2 * K, seed=3
+    )
     params = []
     for x, y in loader:
         optimizer.zero_grad()
@@ -186,15 +188,15 @@ def test_unequal_micro_batches_are_normalised_over_the_global_count():
 
 @pytest.mark.parametrize("value", [0, -1, 1.5, True])
 def test_invalid_num_micro_steps_is_a_config_error(value):
-    single = Runtime(ProcessInfo(), None, torch.device("cpu"))
+    single = Runtime(ProcessInfo())
     with pytest.raises(ddpkit.ConfigError, match="num_micro_steps="):
-        GradientAccumulator(nn.Linear(1, 1), single, value)
+        GradientAccumulator(nn.Linear(1, 1), single, num_micro_steps=value)
 
 
 def _skip_micro_step(runtime: Runtime):
     model = ddpkit.wrap_model(_net(), runtime)
     batches = [(torch.randn(2, 6), torch.randint(0, 3, (2,))) for _ in range(4)]
-    for window in GradientAccumulator(model, runtime, 2).windows(batches):
+    for window in GradientAccumulator(model, runtime, num_micro_steps=2).windows(batches):
         for micro in window:
             with micro:
                 model(micro.batch[0])  # forward, but no micro.backward
@@ -207,7 +209,7 @@ def test_a_micro_step_without_backward_is_refused():
 
 
 def test_single_process_windows_count_optimizer_steps():
-    single = Runtime(ProcessInfo(), None, torch.device("cpu"))
+    single = Runtime(ProcessInfo())
     model = _net()
     accumulator = GradientAccumulator(model, single, num_micro_steps=2)
     batches = [(torch.randn(n, 6), torch.randint(0, 3, (n,))) for n in (3, 3, 3, 3, 1)]

@@ -35,13 +35,10 @@ def _run(rt, directory, stop_after: int | None, resume: bool, seen: list[int] | 
     optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
     schedule = torch.optim.lr_scheduler.OneCycleLR(optimizer, 3e-3, total_steps=TOTAL_STEPS)
     data = _data()
-    loader = ddpkit.build_train_loader(data, rt, PER_RANK_BATCH, seed=1)
-    ckpt = ddpkit.CheckpointManager(directory, rt, keep_last=2)
-    step = (
-        ckpt.resume(model=model, optimizer=optimizer, scheduler=schedule, loader=loader)
-        if resume
-        else 0
-    )
+    loader = ddpkit.build_train_loader(data, rt, batch_size=PER_RANK_BATCH, seed=1)
+    state = {"model": model, "optimizer": optimizer, "scheduler": schedule, "loader": loader}
+    ckpt = ddpkit.CheckpointManager(directory, rt, state=state, keep_last=2)
+    step = ckpt.resume() if resume else 0
     while step < TOTAL_STEPS:
         for x, y in loader:
             if seen is not None:
@@ -53,7 +50,7 @@ def _run(rt, directory, stop_after: int | None, resume: bool, seen: list[int] | 
             schedule.step()
             step += 1
             if step == stop_after:
-                ckpt.save(step, model=model, optimizer=optimizer, scheduler=schedule, loader=loader)
+                ckpt.save(step)
                 return None
             if step == TOTAL_STEPS:
                 break

@@ -34,7 +34,7 @@ def _batch(rank: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
 def _train(runtime, compression: str, **kwargs) -> dict:
     stats = CommStats()
     model = ddpkit.wrap_model(
-        _net(), runtime, "ddp", grad_compression=compression, comm_stats=stats,
+        _net(), runtime, strategy="ddp", grad_compression=compression, comm_stats=stats,
         powersgd_rank=POWERSGD_RANK, powersgd_start_step=POWERSGD_START, **kwargs,
     )  # fmt: skip
     optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
@@ -119,7 +119,9 @@ def _bucket_rank(runtime) -> dict:
         "view": {"gradient_as_bucket_view": True},
     }.items():
         stats = CommStats()
-        model = ddpkit.wrap_model(_net(), runtime, "ddp", **{"comm_stats": stats, **kwargs})
+        model = ddpkit.wrap_model(
+            _net(), runtime, strategy="ddp", **{"comm_stats": stats, **kwargs}
+        )
         optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
         for step in range(1, 3):  # DDP rebuilds its buckets after the first pass
             optimizer.zero_grad()
@@ -147,7 +149,7 @@ def _powersgd_buckets(runtime) -> dict:
     for name in ("none", "powersgd"):
         stats = CommStats()
         model = ddpkit.wrap_model(
-            _big_net(), runtime, "ddp", grad_compression=name, comm_stats=stats,
+            _big_net(), runtime, strategy="ddp", grad_compression=name, comm_stats=stats,
             powersgd_start_step=2,
         )  # fmt: skip
         optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
@@ -175,7 +177,7 @@ def test_powersgd_with_a_small_explicit_bucket_cap_is_refused():
     from ddpkit.distributed.process_group import Runtime
     from ddpkit.parallel.comm import powersgd_bucket_cap_mb
 
-    gloo = Runtime(ProcessInfo(), "gloo", torch.device("cpu"))
+    gloo = Runtime(ProcessInfo(), backend="gloo", device=torch.device("cpu"))
     with pytest.raises(ddpkit.ConfigError, match="needs every gradient in one DDP bucket"):
         powersgd_bucket_cap_mb(_big_net(), gloo, {"bucket_cap_mb": 1})
     assert powersgd_bucket_cap_mb(_big_net(), gloo, {}) == {"bucket_cap_mb": 4}
@@ -202,11 +204,11 @@ def test_bad_compression_is_a_config_error():
     from ddpkit.distributed.env import ProcessInfo
     from ddpkit.distributed.process_group import Runtime
 
-    single = Runtime(ProcessInfo(), None, torch.device("cpu"))
+    single = Runtime(ProcessInfo())
     with pytest.raises(ddpkit.ConfigError, match="grad_compression='int8' is not one of"):
         ddpkit.wrap_model(_net(), single, grad_compression="int8")
     with pytest.raises(ddpkit.ConfigError, match=r"DDP options \['grad_compression'\]"):
-        ddpkit.wrap_model(_net(), single, "single", grad_compression="fp16")
+        ddpkit.wrap_model(_net(), single, strategy="single", grad_compression="fp16")
     with pytest.raises(ddpkit.ConfigError, match="powersgd_start_step=1 must be an integer >= 2"):
         ddpkit.wrap_model(_net(), single, grad_compression="powersgd", powersgd_start_step=1)
 

@@ -17,7 +17,7 @@ NUM_CUDA = torch.cuda.device_count() if torch.cuda.is_available() else 0
 
 def _dp_in_several_processes(runtime) -> str:
     try:
-        ddpkit.wrap_model(nn.Linear(2, 2), runtime, "dp")
+        ddpkit.wrap_model(nn.Linear(2, 2), runtime, strategy="dp")
     except ddpkit.ConfigError as exc:
         return str(exc)
     return "no error"
@@ -30,14 +30,14 @@ def test_dp_is_refused_in_a_multi_process_job():
 
 @pytest.mark.skipif(NUM_CUDA >= 2, reason="checks the message shown without 2 CUDA devices")
 def test_dp_without_two_gpus_is_a_clear_error():
-    single = Runtime(ProcessInfo(), None, torch.device("cpu"))
+    single = Runtime(ProcessInfo())
     with pytest.raises(ddpkit.ConfigError) as info:
-        ddpkit.wrap_model(nn.Linear(2, 2), single, "dp")
+        ddpkit.wrap_model(nn.Linear(2, 2), single, strategy="dp")
     assert str(info.value).startswith(
         f"strategy='dp' needs 2 or more CUDA devices: found {NUM_CUDA}. Use strategy 'single'"
     )
     with pytest.raises(ddpkit.ConfigError, match=r"DDP options \['sync_batchnorm'\]"):
-        ddpkit.wrap_model(nn.Linear(2, 2), single, "dp", sync_batchnorm=True)
+        ddpkit.wrap_model(nn.Linear(2, 2), single, strategy="dp", sync_batchnorm=True)
 
 
 @pytest.mark.skipif(NUM_CUDA < 2, reason="DataParallel needs 2 CUDA devices")
@@ -46,9 +46,9 @@ def test_dp_splits_the_batch_over_two_gpus(caplog):
     reference = nn.Linear(4, 3)
     model = nn.Linear(4, 3)
     model.load_state_dict(reference.state_dict())
-    runtime = Runtime(ProcessInfo(), "nccl", torch.device("cuda", 0))
+    runtime = Runtime(ProcessInfo(), backend="nccl", device=torch.device("cuda", 0))
     with caplog.at_level("INFO", logger="ddpkit"):
-        dp_model = ddpkit.wrap_model(model, runtime, "dp", device_ids=[0, 1])
+        dp_model = ddpkit.wrap_model(model, runtime, strategy="dp", device_ids=[0, 1])
     assert "PyTorch recommends DistributedDataParallel" in caplog.text
     seen = []
     dp_model.module.register_forward_hook(lambda m, i, o: seen.append(i[0].device))

@@ -127,7 +127,9 @@ def test_a_generator_argument_is_refused():
     runtime = ddpkit.init_runtime()
     with runtime:
         try:
-            ddpkit.build_train_loader(Augmented(), runtime, 4, generator=torch.Generator())
+            ddpkit.build_train_loader(
+                Augmented(), runtime, batch_size=4, generator=torch.Generator()
+            )
         except ddpkit.ConfigError as exc:
             assert "generator= is not accepted" in str(exc) and "pass seed=" in str(exc)
         else:

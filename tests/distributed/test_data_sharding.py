@@ -29,7 +29,7 @@ def _messages(error: DistributedTestError) -> list[str]:
 
 def _build(runtime, length: int, batch_size: int, drop_last: bool) -> list[int]:
     data = TensorDataset(torch.arange(length))
-    loader = ddpkit.build_train_loader(data, runtime, batch_size, drop_last=drop_last)
+    loader = ddpkit.build_train_loader(data, runtime, batch_size=batch_size, drop_last=drop_last)
     return [len(list(loader)) for _ in range(2)]
 
 
@@ -67,9 +67,9 @@ def test_evaluation_refuses_drop_last_and_empty_data():
     with runtime:
         data = TensorDataset(torch.arange(4))
         with pytest.raises(ddpkit.ConfigError, match="drop_last=True would leave samples out"):
-            ddpkit.build_eval_loader(data, runtime, 2, drop_last=True)
+            ddpkit.build_eval_loader(data, runtime, batch_size=2, drop_last=True)
         with pytest.raises(ddpkit.ConfigError, match="empty evaluation dataset"):
-            ddpkit.build_eval_loader(TensorDataset(torch.arange(0)), runtime, 2)
+            ddpkit.build_eval_loader(TensorDataset(torch.arange(0)), runtime, batch_size=2)
 
 
 # --- streams -------------------------------------------------------------------------------
@@ -98,7 +98,7 @@ class Stream(IterableDataset):
 def _stream_pass(runtime, length: int, drop_last: bool, num_workers: int, sized: bool) -> dict:
     stream = Stream(length, sized)
     kwargs = {"num_workers": num_workers, **FORK} if num_workers else {}
-    loader = ddpkit.build_train_loader(stream, runtime, 3, drop_last=drop_last, **kwargs)
+    loader = ddpkit.build_train_loader(stream, runtime, batch_size=3, drop_last=drop_last, **kwargs)
     batches = [batch.tolist() for batch in loader]
     return {
         "batches": batches,
@@ -146,7 +146,7 @@ def test_a_stream_too_short_for_one_batch_is_an_error_at_the_end_of_the_pass():
 
 def _stream_resume(runtime) -> list[tuple[list, list]]:
     def loader():
-        return ddpkit.build_train_loader(Stream(26), runtime, 3, num_workers=2, **FORK)
+        return ddpkit.build_train_loader(Stream(26), runtime, batch_size=3, num_workers=2, **FORK)
 
     whole = [b.tolist() for b in loader()]  # 2 workers x (3, 3, 1) items: 6 batches
     pairs = []
@@ -169,7 +169,7 @@ def test_a_stream_resumes_mid_pass_exactly():
 
 
 def _eval_stream(runtime) -> list[int]:
-    loader = ddpkit.build_eval_loader(Stream(11), runtime, 2, num_workers=2, **FORK)
+    loader = ddpkit.build_eval_loader(Stream(11), runtime, batch_size=2, num_workers=2, **FORK)
     return [i for batch in loader for i in batch.tolist()]
 
 
@@ -181,12 +181,14 @@ def test_a_stream_in_evaluation_is_seen_exactly_once():
 def test_a_stream_without_len_says_so():
     runtime = ddpkit.init_runtime()
     with runtime:
-        loader = ddpkit.build_train_loader(Stream(5), runtime, 2)
+        loader = ddpkit.build_train_loader(Stream(5), runtime, batch_size=2)
         with pytest.raises(TypeError, match="the stream Stream has no __len__"):
             len(loader)
         assert sum(len(b) for b in loader) == 5
         with pytest.raises(ddpkit.ConfigError, match="persistent_workers=True with a stream"):
-            ddpkit.build_train_loader(Stream(5), runtime, 2, num_workers=1, persistent_workers=True)
+            ddpkit.build_train_loader(
+                Stream(5), runtime, batch_size=2, num_workers=1, persistent_workers=True
+            )
 
 
 # --- settings that must agree; batch sizes ----------------------------------------------
@@ -201,7 +203,7 @@ def _per_rank_settings(runtime, key: str) -> int:
         else TensorDataset(torch.arange(settings["length"]))
     )
     kwargs = {"num_workers": settings["num_workers"], **FORK} if settings["num_workers"] else {}
-    loader = ddpkit.build_train_loader(data, runtime, 4, seed=settings["seed"], **kwargs)
+    loader = ddpkit.build_train_loader(data, runtime, batch_size=4, seed=settings["seed"], **kwargs)
     return len(list(loader))
 
 
@@ -228,7 +230,7 @@ def _different_batch_sizes(runtime, sizes: tuple[int, int], use_accumulator: boo
     logging.getLogger("ddpkit").addHandler(handler)
     torch.manual_seed(0)
     data = TensorDataset(torch.randn(22, 3), torch.randint(0, 2, (22,)))
-    loader = ddpkit.build_train_loader(data, runtime, sizes[runtime.rank], shuffle=False)
+    loader = ddpkit.build_train_loader(data, runtime, batch_size=sizes[runtime.rank], shuffle=False)
     model = ddpkit.wrap_model(nn.Linear(3, 2), runtime)
     if use_accumulator:
         windows = ddpkit.GradientAccumulator(model, runtime).windows(loader)

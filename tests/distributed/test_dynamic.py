@@ -40,7 +40,7 @@ def _batches(num: int, seed: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
 def _train(runtime, model, num_micro_steps: int, use_branch, loss_uses_b: bool):
     """Steps with a GradientAccumulator; returns per-step (flat grads, flat params)."""
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-    accumulator = GradientAccumulator(model, runtime, num_micro_steps)
+    accumulator = GradientAccumulator(model, runtime, num_micro_steps=num_micro_steps)
     history = []
     for window in accumulator.windows(_batches(4 * num_micro_steps, seed=runtime.rank)):
         optimizer.zero_grad()
@@ -98,7 +98,9 @@ def test_output_not_in_the_loss_is_named_with_its_fix():
     # and what the message's "also tolerates it" rests on: find_unused_parameters=True copes
     # with an output left out of the loss (pytorch/pytorch#57081, torch >= 1.9)
     cases.append((1, "head_b_not_in_loss", True))
-    for rank, (k1, k2, tolerated) in enumerate(run_distributed(_error_cases_rank, 2, (cases,))):
+    for rank, (k1, k2, tolerated) in enumerate(
+        run_distributed(_error_cases_rank, 2, args=(cases,))
+    ):
         for message in (k1, k2):  # without accumulation, and with K = 2
             assert message is not None and message.startswith(f"[rank {rank}/2] DDP: ")
             assert (

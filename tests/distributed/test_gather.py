@@ -67,6 +67,6 @@ def test_at_world_size_one_it_is_a_list_of_one():
 
 @pytest.mark.parametrize("value", [[1.0, 2.0], 3, None])
 def test_all_gather_of_a_non_tensor_names_the_type_and_the_fix(value):
-    one = ddpkit.Runtime(ddpkit.ProcessInfo(), None, torch.device("cpu"))
+    one = ddpkit.Runtime(ddpkit.ProcessInfo())
     with pytest.raises(TypeError, match=r"all_gather: tensor is a \w+: .*all_gather_object"):
         ddpkit.all_gather(value, one)  # refused alike at world size 1 and before any collective

@@ -28,7 +28,7 @@ def _train_with_nan(runtime, mode: str):
             loss = loss * float("nan")  # NaN only in rank 1's loss
         loss.backward()
         try:
-            if guard.check(step, loss, model):
+            if guard.check(step, loss, model=model):
                 optimizer.step()
                 stepped.append(step)
         except ddpkit.DistributedError as exc:
@@ -70,7 +70,7 @@ def test_divergence_names_rank_and_parameter():
 def _skewed_steps(runtime):
     model = nn.Linear(2, 1)
     model(torch.ones(1, 2)).sum().backward()
-    NonFiniteGuard(runtime).check(4 if runtime.rank == 0 else 5, torch.tensor(1.0), model)
+    NonFiniteGuard(runtime).check(4 if runtime.rank == 0 else 5, torch.tensor(1.0), model=model)
 
 
 def test_step_counter_skew_is_reported():

@@ -32,9 +32,13 @@ def _batch(rank: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 def _local_sgd_rank(runtime, ddp_options: dict | None = None) -> dict:
     stats = CommStats()
-    model = ddpkit.wrap_model(_net(), runtime, "ddp", **(ddp_options or {}))
+    model = ddpkit.wrap_model(_net(), runtime, strategy="ddp", **(ddp_options or {}))
     optimizer = enable_local_sgd(
-        model, torch.optim.SGD(model.parameters(), lr=LR), runtime, SYNC_EVERY, stats
+        model,
+        torch.optim.SGD(model.parameters(), lr=LR),
+        runtime=runtime,
+        sync_every=SYNC_EVERY,
+        comm_stats=stats,
     )
     bytes_per_step, equal_after = [], []
     for step in range(1, NUM_STEPS + 1):
@@ -45,12 +49,12 @@ def _local_sgd_rank(runtime, ddp_options: dict | None = None) -> dict:
         optimizer.step()
         bytes_per_step.append(stats.total_bytes - before)
         try:
-            check_replicas(model, runtime, step)
+            check_replicas(model, runtime, step=step)
             equal_after.append(True)
         except ReplicaDivergenceError:
             equal_after.append(False)
     ddp_stats = CommStats()  # the same steps with plain DDP, for the byte comparison
-    ddp_model = ddpkit.wrap_model(_net(), runtime, "ddp", comm_stats=ddp_stats)
+    ddp_model = ddpkit.wrap_model(_net(), runtime, strategy="ddp", comm_stats=ddp_stats)
     ddp_optimizer = torch.optim.SGD(ddp_model.parameters(), lr=LR)
     for step in range(1, NUM_STEPS + 1):
         ddp_optimizer.zero_grad()
@@ -116,16 +120,22 @@ def test_local_sgd_replicas_agree_right_after_averaging(world_size, ddp_options)
 
 def _local_sgd_refusals(runtime) -> list[str]:
     messages = []
-    hooked = ddpkit.wrap_model(_net(), runtime, "ddp", grad_compression="fp16")
+    hooked = ddpkit.wrap_model(_net(), runtime, strategy="ddp", grad_compression="fp16")
     with pytest.raises(ddpkit.ConfigError) as info:
-        enable_local_sgd(hooked, torch.optim.SGD(hooked.parameters(), lr=LR), runtime, 2)
+        enable_local_sgd(
+            hooked, torch.optim.SGD(hooked.parameters(), lr=LR), runtime=runtime, sync_every=2
+        )
     messages.append(str(info.value))
-    static = ddpkit.wrap_model(_net(), runtime, "ddp", static_graph=True)
+    static = ddpkit.wrap_model(_net(), runtime, strategy="ddp", static_graph=True)
     with pytest.raises(ddpkit.ConfigError) as info:
-        enable_local_sgd(static, torch.optim.SGD(static.parameters(), lr=LR), runtime, 2)
+        enable_local_sgd(
+            static, torch.optim.SGD(static.parameters(), lr=LR), runtime=runtime, sync_every=2
+        )
     messages.append(str(info.value))
-    model = ddpkit.wrap_model(_net(), runtime, "ddp")
-    enable_local_sgd(model, torch.optim.SGD(model.parameters(), lr=LR), runtime, 2)
+    model = ddpkit.wrap_model(_net(), runtime, strategy="ddp")
+    enable_local_sgd(
+        model, torch.optim.SGD(model.parameters(), lr=LR), runtime=runtime, sync_every=2
+    )
     with pytest.raises(ddpkit.ConfigError) as info:
         join_uneven_inputs(model, runtime)
     messages.append(str(info.value))
@@ -143,9 +153,13 @@ def test_sync_every_below_two_is_refused():
     from ddpkit.distributed.env import ProcessInfo
     from ddpkit.distributed.process_group import Runtime
 
-    single = Runtime(ProcessInfo(), None, torch.device("cpu"))
+    single = Runtime(ProcessInfo())
     model = _net()
     with pytest.raises(ddpkit.ConfigError, match="sync_every=1. It must be an integer >= 2"):
-        enable_local_sgd(model, torch.optim.SGD(model.parameters(), lr=LR), single, 1)
+        enable_local_sgd(
+            model, torch.optim.SGD(model.parameters(), lr=LR), runtime=single, sync_every=1
+        )
     with pytest.raises(ddpkit.ConfigError, match="needs a DistributedDataParallel model"):
-        enable_local_sgd(model, torch.optim.SGD(model.parameters(), lr=LR), single, 2)
+        enable_local_sgd(
+            model, torch.optim.SGD(model.parameters(), lr=LR), runtime=single, sync_every=2
+        )

@@ -37,7 +37,7 @@ def _fp16_step_rank(runtime: Runtime, directory: str):
     model = ddpkit.wrap_model(_net(), runtime)
     optimizer = torch.optim.SGD(model.parameters(), lr=LR)
     precision = MixedPrecision("16-mixed", runtime, init_scale=65536.0, growth_interval=1)
-    accumulator = GradientAccumulator(model, runtime, 1, precision)
+    accumulator = GradientAccumulator(model, runtime, num_micro_steps=1, precision=precision)
     before = _flat(model)
     for window in accumulator.windows([_batch(runtime.rank)]):
         for micro in window:
@@ -48,10 +48,11 @@ def _fp16_step_rank(runtime: Runtime, directory: str):
                 micro.backward(F.cross_entropy(logits, y))
         result = precision.step(optimizer, model, max_norm=MAX_NORM)
     scale_after = precision.scaler.get_scale()
-    ckpt = ddpkit.CheckpointManager(directory, runtime)
-    ckpt.save(1, model=model, scaler=precision.scaler)
+    state = {"model": model, "scaler": precision.scaler}
+    ddpkit.CheckpointManager(directory, runtime, state=state).save(1)
     fresh = MixedPrecision("16-mixed", runtime, init_scale=2.0)
-    ckpt.resume(model=model, scaler=fresh.scaler)
+    state = {"model": model, "scaler": fresh.scaler}
+    ddpkit.CheckpointManager(directory, runtime, state=state).resume()
     return {
         "update": _flat(model) - before,
         "grad_norm": result.grad_norm,
@@ -155,7 +156,9 @@ def _bf16_rank(runtime: Runtime):
     optimizer = torch.optim.SGD(model.parameters(), lr=LR)
     precision = MixedPrecision("bf16-mixed", runtime)
     before = _flat(model)
-    for window in GradientAccumulator(model, runtime, 1, precision).windows([_batch(runtime.rank)]):
+    for window in GradientAccumulator(
+        model, runtime, num_micro_steps=1, precision=precision
+    ).windows([_batch(runtime.rank)]):
         for micro in window:
             with micro:
                 logits = model(micro.batch[0])
@@ -174,6 +177,6 @@ def test_bf16_step_is_close_to_fp32_without_a_scaler(precision_results):
 
 
 def test_unknown_precision_is_a_config_error():
-    single = Runtime(ProcessInfo(), None, torch.device("cpu"))
+    single = Runtime(ProcessInfo())
     with pytest.raises(ddpkit.ConfigError, match="unknown precision: precision='fp8'"):
         MixedPrecision("fp8", single)

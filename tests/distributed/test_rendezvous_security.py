@@ -17,7 +17,13 @@ TOKEN = "0123456789abcdef0123456789abcdef"
 
 
 def _info(rank: int, world_size: int) -> ProcessInfo:
-    return ProcessInfo(rank, rank, world_size, world_size, source="torchrun")
+    return ProcessInfo(
+        rank=rank,
+        local_rank=rank,
+        world_size=world_size,
+        local_world_size=world_size,
+        source="torchrun",
+    )
 
 
 def _forged_claim(store) -> str:

@@ -95,7 +95,7 @@ def test_evaluate_scores_the_saved_model(world_size, ddp_options):
     saved = _bn_net()
     saved.load_state_dict(results[0]["state"])  # what rank 0 saves
     whole = DataLoader(_test_set(), batch_size=90)
-    reference = ddpkit.evaluate(saved, whole, Runtime(ProcessInfo(), None, torch.device("cpu")))
+    reference = ddpkit.evaluate(saved, whole, Runtime(ProcessInfo()))
     for rank, result in enumerate(results):
         metrics = result["metrics"]
         assert metrics["num_samples"] == 90
@@ -115,7 +115,7 @@ def _replica_check_rank(runtime, ddp_options: dict, compiled: bool = False) -> l
 
     def check(step: int) -> None:
         try:
-            check_replicas(model, runtime, step)
+            check_replicas(model, runtime, step=step)
             outcomes.append("ok")
         except ReplicaDivergenceError as exc:
             outcomes.append(str(exc))
@@ -156,7 +156,7 @@ def _save_unsynced_buffers_rank(runtime, directory: str) -> list[str]:
     logging.getLogger("ddpkit").addHandler(handler)
     model = ddpkit.wrap_model(_bn_net(), runtime, broadcast_buffers=False)
     _train(runtime, model)
-    ddpkit.CheckpointManager(directory, runtime).save(NUM_STEPS, model=model)
+    ddpkit.CheckpointManager(directory, runtime, state={"model": model}).save(NUM_STEPS)
     return messages
 
 
@@ -181,7 +181,8 @@ def _save_ema_of_batchnorm_rank(runtime, directory: str, use_buffers: bool) -> l
         ddpkit.unwrap_model(model), multi_avg_fn=get_ema_multi_avg_fn(0.9), use_buffers=use_buffers
     )
     _train(runtime, model, after_step=lambda step: ema.update_parameters(model.module))
-    ddpkit.CheckpointManager(directory, runtime).save(NUM_STEPS, model=model, stateful={"ema": ema})
+    state = {"model": model, "ema": ema}
+    ddpkit.CheckpointManager(directory, runtime, state=state).save(NUM_STEPS)
     return messages
 
 
@@ -227,8 +228,8 @@ def _save_divergent_rank(runtime, directory: str, fault: str) -> list[str]:
     if fault == "params" and runtime.rank == last:
         with torch.no_grad():
             ddpkit.unwrap_model(model).bias[1] += 1e-7
-    ckpt = ddpkit.CheckpointManager(directory, runtime)
-    ckpt.save(1, model=model, optimizer=optimizer, stateful={"ema": ema})
+    state = {"model": model, "optimizer": optimizer, "ema": ema}
+    ddpkit.CheckpointManager(directory, runtime, state=state).save(1)
     return messages
 
 
@@ -238,10 +239,10 @@ def test_save_reports_replicated_state_that_differs(tmp_path, world_size):
     warning = [m for m in results[0] if "differs across ranks" in m]
     ranks = ", ".join(str(r) for r in range(1, world_size))
     assert len(warning) == 1, results[0]
-    assert f"stateful['ema'] differs on rank(s) {ranks} (shadow.weight, shadow.bias)" in warning[0]
+    assert f"state['ema'] differs on rank(s) {ranks} (shadow.weight, shadow.bias)" in warning[0]
     assert "rank 0's copy was saved" in warning[0]
     manifest = json.loads((tmp_path / "step-00000001" / "manifest.json").read_text())
-    assert manifest["differs_across_ranks"] == {"stateful['ema']": list(range(1, world_size))}
+    assert manifest["differs_across_ranks"] == {"state['ema']": list(range(1, world_size))}
     clean = run_distributed(_save_divergent_rank, world_size, args=(str(tmp_path / "c"), "none"))
     assert not [m for m in clean[0] if "differs" in m]
     assert "differs_across_ranks" not in json.loads(
@@ -267,10 +268,9 @@ class _Unpicklable:
 
 
 def _failed_write_rank(runtime, directory: str) -> str:
-    ckpt = ddpkit.CheckpointManager(directory, runtime)
+    state = {"model": ddpkit.wrap_model(nn.Linear(2, 2), runtime), "bad": _Unpicklable()}
     try:
-        ckpt.save(1, model=ddpkit.wrap_model(nn.Linear(2, 2), runtime),
-                  stateful={"bad": _Unpicklable()})  # fmt: skip
+        ddpkit.CheckpointManager(directory, runtime, state=state).save(1)
     except Exception as exc:  # every rank must learn that nothing was written
         return f"{type(exc).__name__}: {exc}"
     return "saved"
@@ -299,8 +299,10 @@ def _zero_run(runtime, directory: str, stop_after: int | None, resume: bool):
     optimizer = ZeroRedundancyOptimizer(
         model.parameters(), optimizer_class=torch.optim.Adam, lr=1e-2
     )
-    ckpt = ddpkit.CheckpointManager(directory, runtime)
-    step = ckpt.resume(model=model, optimizer=optimizer) if resume else 0
+    ckpt = ddpkit.CheckpointManager(
+        directory, runtime, state={"model": model, "optimizer": optimizer}
+    )
+    step = ckpt.resume() if resume else 0
     while step < ZERO_STEPS:
         step += 1
         gen = torch.Generator().manual_seed(10 * runtime.rank + step)
@@ -309,7 +311,7 @@ def _zero_run(runtime, directory: str, stop_after: int | None, resume: bool):
         F.mse_loss(model(x), y).backward()
         optimizer.step()
         if step == stop_after:
-            ckpt.save(step, model=model, optimizer=optimizer)
+            ckpt.save(step)
             return None
     return [p.detach().clone() for p in model.parameters()]
 

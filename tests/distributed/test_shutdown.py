@@ -33,7 +33,7 @@ def _thread_names() -> list[str]:
 
 
 def _train_then_close(store) -> tuple[int, int, list]:
-    with ddpkit.init_runtime("gloo", 30, 30, store=store) as rt:
+    with ddpkit.init_runtime("gloo", init_timeout_s=30, train_timeout_s=30, store=store) as rt:
         model = ddpkit.wrap_model(nn.Linear(8, 2), rt)  # DDP imports the module below, late
         import torch.distributed.nn.functional as dist_nn_functional
 

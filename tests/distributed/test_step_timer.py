@@ -71,7 +71,7 @@ class _Net(nn.Module):
 def _epoch(runtime: Runtime, net: nn.Module, data_sleep_s: float, k: int, timed: bool) -> dict:
     model = ddpkit.wrap_model(net, runtime)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-    loader = ddpkit.build_train_loader(_Samples(data_sleep_s), runtime, BATCH, seed=1)
+    loader = ddpkit.build_train_loader(_Samples(data_sleep_s), runtime, batch_size=BATCH, seed=1)
     timer = StepTimer(runtime) if timed else None
     step = ddpkit.TrainStep(model, optimizer, runtime=runtime, num_micro_steps=k, timer=timer)
     for _ in ddpkit.train_epoch(step, loader):

@@ -63,7 +63,7 @@ def _raise_if_called(*args, **kwargs):
 
 
 def _sync_bn_rank(runtime) -> dict:
-    model = ddpkit.wrap_model(_net(), runtime, "ddp", sync_batchnorm=True)
+    model = ddpkit.wrap_model(_net(), runtime, strategy="ddp", sync_batchnorm=True)
 
     def eval_forward(x: torch.Tensor) -> torch.Tensor:  # any all-reduce here fails the test
         original = torch.distributed.all_reduce
@@ -105,7 +105,7 @@ def test_model_without_batchnorm_is_unchanged(caplog):
     from ddpkit.distributed.process_group import Runtime
     from ddpkit.parallel.syncbn import convert_sync_batchnorm
 
-    runtime = Runtime(ProcessInfo(), None, torch.device("cpu"))
+    runtime = Runtime(ProcessInfo())
     model = nn.Linear(2, 2)
     with caplog.at_level("INFO", logger="ddpkit"):
         assert convert_sync_batchnorm(model, runtime) is model

@@ -56,7 +56,7 @@ def _equivalence_rank(runtime: Runtime) -> dict:
     model = ddpkit.wrap_model(_net(), runtime)
     optimizer = torch.optim.SGD(model.parameters(), lr=LR)
     data = _dataset(_num_samples(runtime.world_size))
-    loader = ddpkit.build_train_loader(data, runtime, PER_RANK_BATCH, seed=3)
+    loader = ddpkit.build_train_loader(data, runtime, batch_size=PER_RANK_BATCH, seed=3)
     step = TrainStep(model, optimizer, runtime=runtime, num_micro_steps=K, clip_grad_norm=100.0)
     params, results = [], []
     for result in train_epoch(step, loader):
@@ -67,12 +67,12 @@ def _equivalence_rank(runtime: Runtime) -> dict:
 
 def _reference(world_size: int) -> tuple[list[torch.Tensor], list[float], list[float]]:
     """One process, no accumulation: each optimizer step takes the whole global batch."""
-    single = Runtime(ProcessInfo(), None, torch.device("cpu"))
+    single = Runtime(ProcessInfo())
     model = _net()
     optimizer = torch.optim.SGD(model.parameters(), lr=LR)
     data = _dataset(_num_samples(world_size))
     global_batch = PER_RANK_BATCH * world_size * K
-    loader = ddpkit.build_train_loader(data, single, global_batch, seed=3)
+    loader = ddpkit.build_train_loader(data, single, batch_size=global_batch, seed=3)
     params, losses, norms = [], [], []
     for x, y in loader:
         optimizer.zero_grad()
@@ -188,10 +188,12 @@ def test_16_mixed_skip_decisions_are_shared_by_every_rank(skip_results):
 
 
 def test_the_generator_yields_one_result_per_optimizer_step_and_stops_at_max_steps():
-    single = Runtime(ProcessInfo(), None, torch.device("cpu"))
+    single = Runtime(ProcessInfo())
     model = _net()
     optimizer = torch.optim.SGD(model.parameters(), lr=LR)
-    loader = ddpkit.build_train_loader(_dataset(20), single, PER_RANK_BATCH, seed=3)  # 5 batches
+    loader = ddpkit.build_train_loader(
+        _dataset(20), single, batch_size=PER_RANK_BATCH, seed=3
+    )  # 5 batches
     step = TrainStep(model, optimizer, runtime=single, num_micro_steps=K)
     assert step.num_optimizer_steps(len(loader)) == 3
     results = list(train_epoch(step, loader))
@@ -210,7 +212,7 @@ def test_the_generator_yields_one_result_per_optimizer_step_and_stops_at_max_ste
 
 
 def test_a_timed_step_reports_its_phase_split():
-    single = Runtime(ProcessInfo(), None, torch.device("cpu"))
+    single = Runtime(ProcessInfo())
     model = _net()
     optimizer = torch.optim.SGD(model.parameters(), lr=LR)
     timer = ddpkit.StepTimer(single)
@@ -230,7 +232,7 @@ def test_a_timed_step_reports_its_phase_split():
 
 
 def test_keyword_only_arguments_past_model_and_optimizer():
-    single = Runtime(ProcessInfo(), None, torch.device("cpu"))
+    single = Runtime(ProcessInfo())
     model = _net()
     optimizer = torch.optim.SGD(model.parameters(), lr=LR)
     with pytest.raises(TypeError):

@@ -31,7 +31,9 @@ def _train(runtime: Runtime, batch_size: int, num_samples: int) -> dict[str, tor
     torch.manual_seed(0)
     model = ddpkit.wrap_model(nn.Sequential(nn.Linear(6, 16), nn.Tanh(), nn.Linear(16, 3)), runtime)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-    loader = ddpkit.build_train_loader(_dataset(num_samples), runtime, batch_size, seed=7)
+    loader = ddpkit.build_train_loader(
+        _dataset(num_samples), runtime, batch_size=batch_size, seed=7
+    )
     step = 0
     while step < NUM_STEPS:  # crosses an epoch boundary: the sampler epoch must advance alike
         for x, y in loader:
@@ -52,7 +54,7 @@ def _train_rank(runtime: Runtime, num_samples: int) -> dict[str, torch.Tensor]:
 def test_world_size_equivalence(world_size):
     # 12 steps per epoch at every world size, so 20 steps cross one epoch boundary.
     num_samples = 12 * PER_RANK_BATCH * world_size
-    single = Runtime(ProcessInfo(), None, torch.device("cpu"))
+    single = Runtime(ProcessInfo())
     reference = _train(single, PER_RANK_BATCH * world_size, num_samples)
     per_rank = run_distributed(_train_rank, world_size, args=(num_samples,))
     for rank, params in enumerate(per_rank):
@@ -80,7 +82,7 @@ def _eval_rank(runtime: Runtime) -> tuple[dict, float]:
         torch.arange(5, dtype=torch.float32).unsqueeze(1), torch.zeros(5, dtype=torch.long)
     )
     exact = ddpkit.evaluate(
-        _OnlyFirstCorrect(), ddpkit.build_eval_loader(data, runtime, 2), runtime
+        _OnlyFirstCorrect(), ddpkit.build_eval_loader(data, runtime, batch_size=2), runtime
     )
     # what a padded DistributedSampler would report: sample 0 is repeated on the last rank
     padded = DataLoader(

@@ -283,8 +283,8 @@ def test_rank0_working_while_the_others_wait_at_a_barrier_is_no_deadlock():
 
 
 def _sleep_under_thresholds(store, sleep_s, stall_timeout_s, use_main_process_first):
-    with ddpkit.init_runtime("gloo", 30, 30, store=store, stall_timeout_s=stall_timeout_s,
-                             deadlock_timeout_s=2) as rt:  # fmt: skip
+    options = {"init_timeout_s": 30, "train_timeout_s": 30, "deadlock_timeout_s": 2}
+    with ddpkit.init_runtime("gloo", store=store, stall_timeout_s=stall_timeout_s, **options) as rt:
         if use_main_process_first:
             with rt.main_process_first():
                 if rt.rank == 0:

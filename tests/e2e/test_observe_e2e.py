@@ -218,14 +218,12 @@ def test_bad_observe_flags_exit_2(tmp_path, capsys):
 def test_without_tensorboard_one_info_line(tmp_path, monkeypatch, caplog):
     import logging
 
-    import torch
-
     from ddpkit.app.mnist.monitor import open_tensorboard
     from ddpkit.distributed.env import ProcessInfo
     from ddpkit.distributed.process_group import Runtime
 
     monkeypatch.setitem(sys.modules, "tensorboard", None)  # import tensorboard -> ImportError
-    runtime = Runtime(ProcessInfo(), None, torch.device("cpu"))
+    runtime = Runtime(ProcessInfo())
     with caplog.at_level(logging.INFO, logger="ddpkit"):
         assert open_tensorboard(tmp_path, runtime, "auto", None) is None
         assert open_tensorboard(tmp_path, runtime, "off", None) is None

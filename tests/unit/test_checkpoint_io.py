@@ -20,16 +20,18 @@ from ddpkit.errors import DataError
 
 
 def _runtime() -> Runtime:
-    return Runtime(ProcessInfo(), None, torch.device("cpu"))
+    return Runtime(ProcessInfo())
 
 
 def _save_steps(directory, steps, keep_last=5):
     model = nn.Linear(3, 2)
-    ckpt = ddpkit.CheckpointManager(directory, _runtime(), keep_last=keep_last)
+    ckpt = ddpkit.CheckpointManager(
+        directory, _runtime(), state={"model": model}, keep_last=keep_last
+    )
     for step in steps:
         with torch.no_grad():
             model.weight.fill_(step)
-        ckpt.save(step, model=model)
+        ckpt.save(step)
     return ckpt, model
 
 
@@ -37,7 +39,7 @@ def test_keep_last_and_no_module_prefix(tmp_path):
     _save_steps(tmp_path, [1, 2, 3, 4], keep_last=2)
     assert [p.name for p in list_checkpoints(tmp_path)] == ["step-00000004", "step-00000003"]
     state = load_checkpoint(tmp_path / "step-00000004")
-    assert set(state["model"]) == {"weight", "bias"}
+    assert set(state["state"]["model"]) == {"weight", "bias"}
     assert state["step"] == 4 and state["world_size"] == 1
 
 
@@ -48,9 +50,9 @@ def test_corrupt_newest_falls_back_to_previous_and_says_so(tmp_path, capsys):
     data[len(data) // 2] ^= 0xFF  # one flipped bit pattern in the middle
     newest.write_bytes(bytes(data))
     with pytest.raises(DataError, match="corrupt checkpoint"):
-        ckpt.resume(model=model, path=tmp_path / "step-00000020")
+        ckpt.resume(tmp_path / "step-00000020")
     ddpkit.configure_logging(ProcessInfo())
-    assert ckpt.resume(model=model) == 10
+    assert ckpt.resume() == 10
     assert model.weight.detach()[0, 0].item() == 10.0
     err = capsys.readouterr().err
     assert "skipping checkpoint step-00000020: corrupt checkpoint" in err
@@ -62,7 +64,7 @@ def test_incomplete_folder_without_manifest_is_skipped(tmp_path):
     ckpt, model = _save_steps(tmp_path, [5])
     (tmp_path / "step-00000009").mkdir()
     (tmp_path / "step-00000009" / "state.pt").write_bytes(b"half")
-    assert ckpt.resume(model=model) == 5
+    assert ckpt.resume() == 5
 
 
 def test_load_model_state_accepts_module_prefix_and_refuses_no_match():
@@ -76,9 +78,9 @@ def test_load_model_state_accepts_module_prefix_and_refuses_no_match():
 
 def test_world_size_change_is_refused_naming_both(tmp_path):
     ckpt, model = _save_steps(tmp_path, [3])
-    two = Runtime(ProcessInfo(rank=0, world_size=2, local_world_size=2), None, torch.device("cpu"))
+    two = Runtime(ProcessInfo(rank=0, world_size=2, local_world_size=2))
     with pytest.raises(ddpkit.ConfigError, match=r"world_size 1 \(this job: 2\)"):
-        ddpkit.CheckpointManager(tmp_path, two).resume(model=model)
+        ddpkit.CheckpointManager(tmp_path, two, state={"model": model}).resume()
 
 
 @pytest.mark.slow
@@ -104,10 +106,10 @@ def test_killing_the_writer_never_leaves_an_unloadable_newest(tmp_path):
 def test_every_steps_and_every_epochs(tmp_path):
     model = nn.Linear(2, 2)
     ckpt = ddpkit.CheckpointManager(
-        tmp_path, _runtime(), keep_last=10, every_steps=3, every_epochs=2
+        tmp_path, _runtime(), state={"model": model}, keep_last=10, every_steps=3, every_epochs=2
     )
-    saved = [s for s in range(1, 8) if ckpt.maybe_save(s, model=model)]
-    saved += [100 + e for e in range(1, 5) if ckpt.maybe_save_epoch(e, 100 + e, model=model)]
+    saved = [s for s in range(1, 8) if ckpt.maybe_save(s)]
+    saved += [100 + e for e in range(1, 5) if ckpt.maybe_save_epoch(e, step=100 + e)]
     assert saved == [3, 6, 102, 104]
     with pytest.raises(ddpkit.ConfigError, match="keep_last=0"):
         ddpkit.CheckpointManager(tmp_path, _runtime(), keep_last=0)

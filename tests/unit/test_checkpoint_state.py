@@ -20,7 +20,7 @@ from ddpkit.errors import DataError
 
 
 def _runtime() -> Runtime:
-    return Runtime(ProcessInfo(), None, torch.device("cpu"))
+    return Runtime(ProcessInfo())
 
 
 class _Ema:
@@ -48,12 +48,14 @@ def _leftovers(directory) -> list[str]:
 
 def test_tensor_in_extra_is_refused_naming_the_key_and_nothing_is_written(tmp_path):
     model = nn.Linear(2, 2)
-    ckpt = ddpkit.CheckpointManager(tmp_path / "ck", _runtime())
     with pytest.raises(TypeError) as info:
-        ckpt.save(1, model=model, extra={"lr": 0.1, "ema": torch.ones(2)})
+        ddpkit.CheckpointManager(
+            tmp_path / "ck", _runtime(), state={"model": model},
+            extra={"lr": 0.1, "ema": torch.ones(2)},
+        )  # fmt: skip
     message = str(info.value)
     assert "extra['ema']" in message and "Tensor" in message
-    assert "stateful={'ema': ...}" in message  # says where such state goes
+    assert "state={'ema': ...}" in message  # says where such state goes
     assert _leftovers(tmp_path / "ck") == []
 
 
@@ -66,10 +68,12 @@ def test_a_failing_save_leaves_nothing_half_written(tmp_path):
             pass
 
     model = nn.Linear(2, 2)
-    ckpt = ddpkit.CheckpointManager(tmp_path, _runtime())
-    ckpt.save(1, model=model)
+    ddpkit.CheckpointManager(tmp_path, _runtime(), state={"model": model}).save(1)
+    bad = ddpkit.CheckpointManager(
+        tmp_path, _runtime(), state={"model": model, "bad": Unpicklable()}
+    )
     with pytest.raises(Exception, match="lambda|pickle"):
-        ckpt.save(2, model=model, stateful={"bad": Unpicklable()})
+        bad.save(2)
     assert _leftovers(tmp_path) == ["step-00000001"]  # no .tmp-step-00000002-* folder
 
 
@@ -81,28 +85,31 @@ def test_stateful_objects_round_trip_and_missing_state_is_an_error(tmp_path):
         model.weight.add_(1.0)
     ema.update(model)
     ema_module.update_parameters(model)
-    ckpt = ddpkit.CheckpointManager(tmp_path, _runtime())
-    ckpt.save(4, model=model, stateful={"ema": ema, "swa": ema_module})
-    assert set(load_checkpoint(tmp_path / "step-00000004")["stateful"]) == {"ema", "swa"}
+    state = {"model": model, "ema": ema, "swa": ema_module}
+    ddpkit.CheckpointManager(tmp_path, _runtime(), state=state).save(4)
+    assert set(load_checkpoint(tmp_path / "step-00000004")["state"]) == {"model", "ema", "swa"}
 
     torch.manual_seed(1)
     fresh = nn.Linear(3, 2)
     fresh_ema, fresh_swa = _Ema(fresh), torch.optim.swa_utils.AveragedModel(fresh)
-    assert ckpt.resume(model=fresh, stateful={"ema": fresh_ema, "swa": fresh_swa}) == 4
+    state = {"model": fresh, "ema": fresh_ema, "swa": fresh_swa}
+    assert ddpkit.CheckpointManager(tmp_path, _runtime(), state=state).resume() == 4
     for name, tensor in ema.shadow.items():
         assert torch.equal(fresh_ema.shadow[name], tensor)
     for (name, a), b in zip(
         ema_module.state_dict().items(), fresh_swa.state_dict().values(), strict=True
     ):
         assert torch.equal(a, b), name
-    with pytest.raises(DataError, match=r"has no state for stateful\['other'\]"):
-        ckpt.resume(model=fresh, stateful={"other": _Ema(fresh)})
+    other = {"model": fresh, "other": _Ema(fresh)}
+    with pytest.raises(DataError, match=r"has no state for state\['other'\]"):
+        ddpkit.CheckpointManager(tmp_path, _runtime(), state=other).resume()
 
 
 def test_stateful_without_state_dict_is_refused(tmp_path):
-    ckpt = ddpkit.CheckpointManager(tmp_path, _runtime())
-    with pytest.raises(TypeError, match=r"stateful\['ema'\] is a Tensor"):
-        ckpt.save(1, model=nn.Linear(2, 2), stateful={"ema": torch.ones(2)})
+    with pytest.raises(TypeError, match=r"state\['ema'\] is a Tensor"):
+        ddpkit.CheckpointManager(
+            tmp_path, _runtime(), state={"model": nn.Linear(2, 2), "ema": torch.ones(2)}
+        )
     assert _leftovers(tmp_path) == []
 
 
@@ -148,12 +155,11 @@ def test_torch_compile_prefix_is_handled_everywhere(tmp_path):
     ddpkit.load_model_state(into_compiled, inner.state_dict())
     assert torch.equal(ddpkit.unwrap_model(into_compiled).weight, inner.weight)
 
-    ckpt = ddpkit.CheckpointManager(tmp_path, _runtime())
-    ckpt.save(3, model=compiled)
-    assert set(load_checkpoint(tmp_path / "step-00000003")["model"]) == {"weight", "bias"}
+    ddpkit.CheckpointManager(tmp_path, _runtime(), state={"model": compiled}).save(3)
+    assert set(load_checkpoint(tmp_path / "step-00000003")["state"]["model"]) == {"weight", "bias"}
     torch.manual_seed(5)
     resumed = _compiled(nn.Linear(3, 2))
-    assert ckpt.resume(model=resumed) == 3
+    assert ddpkit.CheckpointManager(tmp_path, _runtime(), state={"model": resumed}).resume() == 3
     assert torch.equal(ddpkit.unwrap_model(resumed).weight, inner.weight)
 
 
@@ -184,11 +190,15 @@ def test_tensor_digests_are_exact_and_position_sensitive():
     assert tensor_digests([]).shape == (0, 3)
 
 
-def test_bad_stateful_is_refused_by_resume_even_without_a_checkpoint(tmp_path):
+def test_bad_state_is_refused_when_the_manager_is_built(tmp_path):
     # refused at the first run, not hours later at the first resume that finds a checkpoint
-    ckpt = ddpkit.CheckpointManager(tmp_path, _runtime())
-    with pytest.raises(TypeError, match=r"stateful\['ema'\] is a int"):
-        ckpt.resume(model=nn.Linear(2, 2), stateful={"ema": 3})
-    with pytest.raises(TypeError, match=r"stateful is a list: pass a dict"):
-        ckpt.save(1, model=nn.Linear(2, 2), stateful=[nn.Linear(2, 2)])
+    with pytest.raises(TypeError, match=r"state\['ema'\] is a int"):
+        ddpkit.CheckpointManager(tmp_path, _runtime(), state={"model": nn.Linear(2, 2), "ema": 3})
+    with pytest.raises(TypeError, match=r"state is a list: pass a dict"):
+        ddpkit.CheckpointManager(tmp_path, _runtime(), state=[nn.Linear(2, 2)])
+    empty = ddpkit.CheckpointManager(tmp_path, _runtime())  # fine for load_latest() alone
+    with pytest.raises(ddpkit.ConfigError, match=r"holds no state.*state=\{'model': model"):
+        empty.save(1)
+    with pytest.raises(ddpkit.ConfigError, match="holds no state"):
+        empty.resume()
     assert _leftovers(tmp_path) == []

@@ -17,7 +17,7 @@ from ddpkit.training.observe import PHASES, StepTimer, peak_memory_mb
 
 @pytest.fixture
 def runtime() -> Runtime:
-    return Runtime(ProcessInfo(), None, torch.device("cpu"))
+    return Runtime(ProcessInfo())
 
 
 def _csv_rows(path) -> list[dict]:

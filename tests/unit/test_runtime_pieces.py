@@ -18,8 +18,8 @@ from ddpkit.errors import ConfigError, DistributedError
 def _runtime(rank: int = 0, world_size: int = 1) -> Runtime:
     return Runtime(
         ProcessInfo(rank=rank, world_size=world_size, local_world_size=world_size, local_rank=rank),
-        None,
-        torch.device("cpu"),
+        backend=None,
+        device=torch.device("cpu"),
     )
 
 
@@ -35,7 +35,14 @@ def _runtime(rank: int = 0, world_size: int = 1) -> Runtime:
                 "LOCAL_WORLD_SIZE": "2",
                 "GROUP_RANK": "1",
             },
-            ProcessInfo(3, 1, 4, 2, 1, "torchrun"),
+            ProcessInfo(
+                rank=3,
+                local_rank=1,
+                world_size=4,
+                local_world_size=2,
+                node_rank=1,
+                source="torchrun",
+            ),
         ),
         (
             {
@@ -45,7 +52,9 @@ def _runtime(rank: int = 0, world_size: int = 1) -> Runtime:
                 "SLURM_NODEID": "1",
                 "SLURM_STEP_TASKS_PER_NODE": "3(x2)",
             },
-            ProcessInfo(5, 2, 6, 3, 1, "slurm"),
+            ProcessInfo(
+                rank=5, local_rank=2, world_size=6, local_world_size=3, node_rank=1, source="slurm"
+            ),
         ),
         ({"SLURM_PROCID": "0", "SLURM_NTASKS": "1"}, ProcessInfo()),  # python inside salloc
         (  # torchrun inside a Slurm allocation: torchrun's variables win
@@ -56,7 +65,14 @@ def _runtime(rank: int = 0, world_size: int = 1) -> Runtime:
                 "SLURM_PROCID": "0",
                 "SLURM_NTASKS": "4",
             },
-            ProcessInfo(1, 1, 2, 2, 0, "torchrun"),
+            ProcessInfo(
+                rank=1,
+                local_rank=1,
+                world_size=2,
+                local_world_size=2,
+                node_rank=0,
+                source="torchrun",
+            ),
         ),
     ],
 )
@@ -89,7 +105,7 @@ def test_sampler_shards_are_disjoint_complete_and_reshuffled_each_epoch():
 def test_eval_sampler_gives_each_sample_to_one_rank():
     data = TensorDataset(torch.arange(7))
     shards = [
-        [int(i) for (b,) in ddpkit.build_eval_loader(data, _runtime(r, 3), 2) for i in b]
+        [int(i) for (b,) in ddpkit.build_eval_loader(data, _runtime(r, 3), batch_size=2) for i in b]
         for r in range(3)
     ]
     assert shards == [[0, 3, 6], [1, 4], [2, 5]]
@@ -105,11 +121,11 @@ def test_wrap_and_unwrap():
     model = ddpkit.wrap_model(nn.Linear(2, 2), runtime)  # auto -> single at world size 1
     assert isinstance(model, nn.Linear)
     with pytest.raises(DistributedError, match="strategy='ddp' needs a process group"):
-        ddpkit.wrap_model(nn.Linear(2, 2), runtime, "ddp")
+        ddpkit.wrap_model(nn.Linear(2, 2), runtime, strategy="ddp")
     with pytest.raises(ConfigError, match="already wrapped in DataParallel"):
         ddpkit.wrap_model(nn.DataParallel(nn.Linear(2, 2)), runtime)
     with pytest.raises(ConfigError, match="unknown strategy"):
-        ddpkit.wrap_model(nn.Linear(2, 2), runtime, "fsdp3")
+        ddpkit.wrap_model(nn.Linear(2, 2), runtime, strategy="fsdp3")
     wrapped = nn.DataParallel(nn.Linear(2, 2))
     assert ddpkit.unwrap_model(wrapped) is wrapped.module
     assert list(ddpkit.model_state_dict(wrapped)) == ["weight", "bias"]

@@ -290,7 +290,7 @@ def _ddpkit_form(
     with init_runtime("auto", store=store, stall_timeout_s=stall_timeout_s) as runtime:
         torch.manual_seed(config.seed)
         model, optimizer, _, _ = build_model_and_optimizer(config, runtime)
-        loader = build_train_loader(data, runtime, config.batch_size, seed=config.seed)
+        loader = build_train_loader(data, runtime, batch_size=config.batch_size, seed=config.seed)
         # the step `ddpkit train` runs, at its defaults (no non-finite guard); untimed, as the
         # other forms are
         step = TrainStep(

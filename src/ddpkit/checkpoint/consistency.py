@@ -6,13 +6,14 @@ gives every rank rank 0's. So each save compares, across ranks, exact checksums
 (:func:`ddpkit.guards.replicas.tensor_digests` for tensors, CRC-32 of the value for numbers and
 strings) of:
 
-- ``model parameters``: DDP keeps them bitwise identical; a difference is a bug, and the save
-  is refused on every rank (:class:`ReplicaDivergenceError`) before anything is written;
-- ``model buffers`` that DDP does not overwrite with rank 0's at the next forward (only with
+- ``<name> parameters`` of every ``nn.Module`` in the manager's state (the model, an
+  ``AveragedModel``): DDP keeps them bitwise identical; a difference is a bug, and the save is
+  refused on every rank (:class:`ReplicaDivergenceError`) before anything is written;
+- ``<name> buffers`` that DDP does not overwrite with rank 0's at the next forward (only with
   ``broadcast_buffers=False``; synced ones differ between forwards by design);
-- ``optimizer`` (not a ``ZeroRedundancyOptimizer``, whose state is sharded), ``scheduler``,
-  ``scaler``, and every ``stateful[name]`` object (an EMA, ...), except a ``stateful`` key
-  named like a synced buffer (``AveragedModel`` copies or averages them: they differ too).
+- every other entry, ``state['<name>']`` (optimizer, scheduler, scaler, an EMA, ...), except a
+  ``ZeroRedundancyOptimizer`` (its state is sharded) and keys named like a synced buffer
+  (``AveragedModel`` copies or averages them: they differ too).
 
 A difference in these is reported in one warning naming the state, its keys and the ranks, and
 recorded in the checkpoint's manifest (``differs_across_ranks``); rank 0's copy is saved.
@@ -29,11 +30,13 @@ from typing import Any
 
 import torch
 
+from ddpkit.checkpoint.objects import is_zero_optimizer
+from ddpkit.distributed.sampler import ShardedLoader
 from ddpkit.guards.replicas import ReplicaDivergenceError, synced_buffers, tensor_digests
 from ddpkit.parallel.wrap import unwrap_model
 
-PARAMETERS = "model parameters"
-BUFFERS = "model buffers"
+PARAMETERS_OF = "parameters"  # section "<name> parameters" of each nn.Module in the state
+BUFFERS_OF = "buffers"
 _PLAIN = (int, float, str, bool, bytes, type(None))
 
 Digests = dict[str, dict[str, tuple]]
@@ -67,35 +70,50 @@ def digest_tree(tree: Any) -> dict[str, tuple]:
     return out
 
 
-def replicated_digests(
-    model: torch.nn.Module, *, states: Mapping[str, Any], optimizer_sharded: bool
-) -> Digests:
+def replicated_digests(state: Mapping[str, Any]) -> Digests:
     """This rank's checksums of the replicated state, by section (see the module docstring).
 
     Args:
-        model: the wrapped or plain model.
-        states: ``{section name: object with state_dict()}`` (optimizer, scheduler, scaler,
-            ``stateful['name']``); ``None`` values are skipped.
-        optimizer_sharded: leave the ``optimizer`` section out (ZeRO: one shard per rank).
+        state: the manager's ``{name: object}``. An ``nn.Module`` gives two sections,
+            ``"<name> parameters"`` and ``"<name> buffers"`` (without the buffers DDP
+            broadcasts); any other object one, ``"state['<name>']"``, from its ``state_dict()``.
+            Left out: a ``ZeroRedundancyOptimizer`` (sharded: one part per rank) and a
+            :class:`~ddpkit.ShardedLoader` (its position is the step, equal by construction).
     """
-    inner = unwrap_model(model)
-    skipped = synced_buffers(model)
-    synced = {n for n, b in inner.named_buffers() if id(b) in skipped}
-    digests: Digests = {
-        PARAMETERS: digest_tree(dict(inner.named_parameters())),
-        BUFFERS: digest_tree({n: b for n, b in inner.named_buffers() if id(b) not in skipped}),
-    }
-    for section, obj in states.items():
-        if obj is not None and not (section == "optimizer" and optimizer_sharded):
-            tree = digest_tree(obj.state_dict())
-            if section.startswith("stateful[") and synced:
-                tree = {k: v for k, v in tree.items() if not _copies_synced(k, synced)}
-            digests[section] = tree
+    modules = {n: o for n, o in state.items() if isinstance(o, torch.nn.Module)}
+    synced: set[str] = set()
+    digests: Digests = {}
+    for name, module in modules.items():
+        inner, skipped = unwrap_model(module), synced_buffers(module)
+        synced |= {n for n, b in inner.named_buffers() if id(b) in skipped}
+        digests[f"{name} {PARAMETERS_OF}"] = digest_tree(dict(inner.named_parameters()))
+        digests[f"{name} {BUFFERS_OF}"] = digest_tree(
+            {n: b for n, b in inner.named_buffers() if id(b) not in skipped}
+        )
+    copies = [f"{name} {BUFFERS_OF}" for name in modules]  # an EMA module's buffers, ...
+    for name, obj in state.items():
+        if name not in modules and not _per_rank(obj):
+            digests[section_name(name)] = digest_tree(obj.state_dict())
+            if not isinstance(obj, torch.optim.Optimizer):
+                copies.append(section_name(name))
+    for section in copies if synced else ():  # copies of DDP-synced buffers differ by design
+        tree = digests[section]
+        digests[section] = {k: v for k, v in tree.items() if not _copies_synced(k, synced)}
     return digests
 
 
+def section_name(name: str) -> str:
+    """How a non-module entry of the manager's state is named in warnings and the manifest."""
+    return f"state[{name!r}]"
+
+
+def _per_rank(obj: Any) -> bool:
+    """State that is not replicated: a ZeRO optimizer's shard, the loader's position."""
+    return is_zero_optimizer(obj) or isinstance(obj, ShardedLoader)
+
+
 def _copies_synced(key: str, synced: set[str]) -> bool:
-    """True for a ``stateful`` key named like a DDP-synced buffer of the model (an EMA's
+    """True for a key named like a DDP-synced buffer of a model (an EMA's
     ``module.1.running_mean``: a copy or average of buffers that differ by design)."""
     parts = key.split(".")
     return any(".".join(parts[i:]) in synced for i in range(len(parts)))
@@ -131,13 +149,15 @@ def raise_if_parameters_differ(found: dict[str, dict[int, list[str]]], step: int
     Raises:
         ReplicaDivergenceError: names each rank and its differing parameters.
     """
-    if PARAMETERS not in found:
+    sections = [s for s in found if s.endswith(f" {PARAMETERS_OF}")]
+    if not sections:
         return
     listing = "; ".join(
-        f"rank {r} differs in {', '.join(ks)}" for r, ks in found[PARAMETERS].items()
+        f"rank {r} differs in {', '.join(ks)}" for s in sections for r, ks in found[s].items()
     )
     raise ReplicaDivergenceError(
-        f"checkpoint step {step} not written: model parameters differ across ranks: {listing} "
+        f"checkpoint step {step} not written: {', '.join(sections)} differ across ranks: "
+        f"{listing} "
         "(compared with rank 0). Saving rank 0's copy would hide that the replicas trained "
         "apart. Something changed one replica outside DDP (a rank-dependent update, a skipped "
         "all-reduce, a parameter changed on one rank); make every rank take the same steps."
@@ -153,7 +173,7 @@ def describe(
     optimizer: why its state is per rank); other sections get the generic one.
     """
     parts = [
-        f"{s} {'differ' if s in (PARAMETERS, BUFFERS) else 'differs'} on rank(s) {_ranks(r)} "
+        f"{s} {'differs' if s.startswith('state[') else 'differ'} on rank(s) {_ranks(r)} "
         f"({_keys(r)})"
         for s, r in found.items()
     ]

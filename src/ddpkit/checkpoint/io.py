@@ -23,7 +23,7 @@ from ddpkit.errors import DataError
 
 MANIFEST = "manifest.json"
 STATE_FILE = "state.pt"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: the manager's {name: state dict} under "state"
 
 
 def sha256_file(path: Path) -> str:

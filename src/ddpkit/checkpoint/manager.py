@@ -1,9 +1,10 @@
 """Checkpoint manager: collective save by a single writer, exact resume, fallback on corruption.
 
-What a checkpoint holds: the unwrapped model state (no ``module.``/``_orig_mod.`` prefix),
-optimizer (a ``ZeroRedundancyOptimizer`` consolidated first), LR scheduler and grad scaler
-states, ``stateful`` objects (an EMA, ...), the step and epoch, the sharded loader's position
-inside the epoch, every rank's RNG states (torch, CUDA, numpy, python) and the world size.
+What a checkpoint holds: the ``state_dict()`` of every object the manager was given (models
+unwrapped, with no ``module.``/``_orig_mod.`` prefix; a ``ZeroRedundancyOptimizer``
+consolidated first; the LR scheduler, grad scaler, an EMA, the sharded loader's position inside
+the epoch, ...), the step, every rank's RNG states (torch, CUDA, numpy, python) and the world
+size.
 Resuming puts all of them back, so a run stopped at step k and resumed ends bitwise equal to an
 uninterrupted run. Replicated state is written by rank 0 after it was compared across ranks
 (:mod:`ddpkit.checkpoint.consistency`): a copy that differs on some rank is reported, never
@@ -11,18 +12,20 @@ silently dropped.
 
 Example::
 
-    ckpt = CheckpointManager("runs/ckpt", rt, keep_last=3, every_steps=100)
-    step = ckpt.resume(model=model, optimizer=opt, scheduler=sched, loader=train_loader)
+    state = {"model": model, "optimizer": opt, "scheduler": sched, "loader": train_loader}
+    ckpt = CheckpointManager("runs/ckpt", rt, state=state, keep_last=3, every_steps=100)
+    step = ckpt.resume()
     while step < total_steps:
         for x, y in train_loader:
             ...; step += 1
-            ckpt.maybe_save(step, model=model, optimizer=opt, scheduler=sched, loader=train_loader)
+            ckpt.maybe_save(step)
 """
 
 from __future__ import annotations
 
 import os
 import shutil
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -30,11 +33,12 @@ import torch
 import torch.distributed as dist
 
 from ddpkit.checkpoint.consistency import (
-    BUFFERS,
+    BUFFERS_OF,
     describe,
     differences,
     raise_if_parameters_differ,
     replicated_digests,
+    section_name,
 )
 from ddpkit.checkpoint.io import (
     MANIFEST,
@@ -47,8 +51,8 @@ from ddpkit.checkpoint.io import (
 from ddpkit.checkpoint.objects import (
     LOCAL_SGD_NOTE,
     check_extra,
-    check_saved_stateful,
-    check_stateful,
+    check_saved_state,
+    check_state,
     is_local_sgd_optimizer,
     is_zero_optimizer,
 )
@@ -98,110 +102,132 @@ def newest_manifest(directory: Path) -> tuple[Path, dict] | None:
     return None
 
 
-_OBJECTS = ("optimizer", "scheduler", "scaler")
+def _module_or_state(obj: Any) -> Any:
+    """What is saved of one entry: an ``nn.Module`` without its wrappers' key prefixes."""
+    return unwrap_model(obj).state_dict() if isinstance(obj, torch.nn.Module) else obj.state_dict()
 
 
-def _state_of(obj: Any) -> Any:
-    return obj.state_dict() if obj is not None else None
-
-
-def _notes(model: torch.nn.Module, optimizer: Any) -> dict[str, str]:
+def _notes(state: dict[str, Any]) -> dict[str, str]:
     """What explains a difference in each section, for :func:`describe`."""
-    notes = {BUFFERS: buffer_fix(model)}
-    if is_local_sgd_optimizer(optimizer):
-        notes["optimizer"] = LOCAL_SGD_NOTE
+    notes = {}
+    for name, obj in state.items():
+        if isinstance(obj, torch.nn.Module):
+            notes[f"{name} {BUFFERS_OF}"] = buffer_fix(obj)
+        elif is_local_sgd_optimizer(obj):
+            notes[section_name(name)] = LOCAL_SGD_NOTE
     return notes
 
 
+def _saved_state(folder: Path, state: dict[str, Any]) -> dict[str, Any]:
+    """The ``{name: state dict}`` of a checkpoint (format 2).
+
+    Raises:
+        DataError: a checkpoint of format 1 (separate model/optimizer/... entries).
+    """
+    if "state" not in state:
+        raise DataError(
+            f"checkpoint {folder} has format 1 (separate model/optimizer entries, written "
+            "before CheckpointManager took its state once); this version resumes format 2. "
+            "Start fresh, or resume it with the ddpkit version that wrote it."
+        )
+    return state["state"]
+
+
 class CheckpointManager:
-    """Save and resume training state under ``directory``.
+    """Save and resume the training state it is given, under ``directory``.
 
     Args:
         directory: where ``step-XXXXXXXX/`` folders go (on a filesystem every rank can read).
         runtime: the job's :class:`~ddpkit.Runtime`.
+        state: ``{name: object}``, everything to save and restore: any object with
+            ``state_dict()``/``load_state_dict()`` (the model, optimizer, LR scheduler,
+            ``GradScaler``, :class:`~ddpkit.ShardedLoader`, an EMA, your own). ``None`` values
+            are left out (``"scaler": precision.scaler`` without fp16). An ``nn.Module`` is
+            saved unwrapped (no ``module.``/``_orig_mod.`` prefix) and its parameters must
+            agree across ranks; a ``ZeroRedundancyOptimizer`` is consolidated on rank 0 first.
+            The names key the checkpoint: resume with the same names.
         keep_last: complete checkpoints to keep (older ones are deleted by rank 0), >= 1.
         every_steps: :meth:`maybe_save` saves when ``step % every_steps == 0`` (0 = never).
         every_epochs: :meth:`maybe_save_epoch` saves after every this many epochs (0 = never).
+        extra: JSON settings written to the manifest (batch size, lr, ...); :meth:`resume`
+            refuses a checkpoint whose settings differ (see :func:`check_compatible`).
 
     Raises:
         ConfigError: ``keep_last < 1``, or a negative ``every_steps``/``every_epochs``.
+        TypeError: ``state`` is not a dict of objects with ``state_dict``/``load_state_dict``,
+            or ``extra`` holds a non-JSON value (on every rank, before anything happens).
+
+    Example:
+        >>> ckpt = CheckpointManager("ckpt", rt, state={"model": model, "optimizer": opt})
+        >>> step = ckpt.resume()  # 0 when there is no checkpoint yet   # doctest: +SKIP
+        >>> ckpt.save(step)                                              # doctest: +SKIP
     """
 
     def __init__(
         self,
         directory: str | Path,
         runtime: Runtime,
+        *,
+        state: Mapping[str, Any] | None = None,
         keep_last: int = 3,
         every_steps: int = 0,
         every_epochs: int = 0,
+        extra: Mapping[str, Any] | None = None,
     ) -> None:
         if keep_last < 1 or every_steps < 0 or every_epochs < 0:
             raise ConfigError(
                 f"invalid checkpoint settings: keep_last={keep_last} (must be >= 1), "
                 f"every_steps={every_steps}, every_epochs={every_epochs} (must be >= 0)."
             )
+        check_extra(extra)
+        self.state = check_state(state)
+        self.extra = dict(extra or {})
         self.directory = Path(directory)
         self.runtime = runtime
         self.keep_last = keep_last
         self.every_steps = every_steps
         self.every_epochs = every_epochs
 
-    def save(
-        self,
-        step: int,
-        *,
-        model: torch.nn.Module,
-        optimizer: Any = None,
-        scheduler: Any = None,
-        scaler: Any = None,
-        loader: Any = None,
-        extra: dict | None = None,
-        stateful: dict[str, Any] | None = None,
-    ) -> Path:
-        """Write checkpoint ``step``; returns its folder once it is complete on disk.
+    def _managed(self, action: str) -> dict[str, Any]:
+        if not self.state:
+            raise ConfigError(
+                f"CheckpointManager.{action}(): the manager holds no state. Pass what to "
+                "checkpoint once, when you build it: CheckpointManager(directory, runtime, "
+                "state={'model': model, 'optimizer': optimizer, ...})."
+            )
+        return self.state
+
+    def save(self, step: int) -> Path:
+        """Write checkpoint ``step`` of the managed state; returns its folder once complete.
 
         Collective: call on every rank at the same step. A ``ZeroRedundancyOptimizer`` is
         consolidated on rank 0 first. One all-gather brings every rank's RNG state and the
         checksums of its replicated state to every rank (see
         :mod:`ddpkit.checkpoint.consistency`); rank 0 alone writes (atomically: a failure at
         any point leaves no folder behind), then one all-reduce tells every rank whether it
-        succeeded, so all return once the checkpoint is complete or all raise.
+        succeeded, so all return once the checkpoint is complete or all raise. At world size 1
+        it writes without any collective.
 
         Args:
             step: the optimizer step; names the folder ``step-XXXXXXXX``.
-            model: wrapped or plain; saved without wrapper prefixes.
-            optimizer, scheduler, scaler, loader: saved with their ``state_dict()``.
-            extra: JSON settings written to the manifest; :meth:`resume` with ``extra``
-                refuses a checkpoint whose settings differ.
-            stateful: ``{name: object}`` with ``state_dict()``/``load_state_dict()``, for
-                replicated state outside the model (an EMA copy, ...); pass the same names to
-                :meth:`resume`.
 
         Raises:
-            TypeError: ``extra`` holds a non-JSON value, or a ``stateful`` entry lacks
-                ``state_dict``/``load_state_dict`` (on every rank, before anything happens).
-            ReplicaDivergenceError: the model's parameters differ across ranks (nothing is
+            ConfigError: the manager was built without ``state``.
+            ReplicaDivergenceError: a module's parameters differ across ranks (nothing is
                 written). Other replicated state that differs is saved from rank 0 with a
                 warning naming it and the ranks, and listed in the manifest.
             DistributedError: rank 0 failed to write (raised on the other ranks; rank 0
                 raises its own error).
 
         Example:
-            >>> ckpt.save(step, model=model, optimizer=opt, stateful={"ema": ema})  # doctest: +SKIP
+            >>> ckpt.save(step)  # doctest: +SKIP
         """
-        check_extra(extra)
-        check_stateful(stateful)
-        sharded = is_zero_optimizer(optimizer)
-        if sharded and self.runtime.process_group is not None:
-            with self.runtime.watch("ZeroRedundancyOptimizer.consolidate_state_dict"):
-                optimizer.consolidate_state_dict(to=0)
-        states = {"optimizer": optimizer, "scheduler": scheduler, "scaler": scaler}
-        states.update({f"stateful[{name!r}]": obj for name, obj in (stateful or {}).items()})
-        digests = (
-            replicated_digests(model, states=states, optimizer_sharded=sharded)
-            if self.runtime.process_group is not None
-            else {}
-        )
+        managed = self._managed("save")
+        for obj in managed.values():
+            if is_zero_optimizer(obj) and self.runtime.process_group is not None:
+                with self.runtime.watch("ZeroRedundancyOptimizer.consolidate_state_dict"):
+                    obj.consolidate_state_dict(to=0)
+        digests = replicated_digests(managed) if self.runtime.process_group is not None else {}
         gathered = all_gather_object({"rng": rng_state(), "digests": digests}, self.runtime)
         found = differences([g["digests"] for g in gathered])
         raise_if_parameters_differ(found, step)
@@ -209,24 +235,21 @@ class CheckpointManager:
         if self.runtime.is_rank_zero:
             try:
                 if found:
-                    log.warning(describe(found, folder.name, _notes(model, optimizer)))
+                    log.warning(describe(found, folder.name, _notes(managed)))
                 state = {
-                    "model": unwrap_model(model).state_dict(),
-                    **{key: _state_of(obj) for key, obj in states.items() if key in _OBJECTS},
-                    "loader": _state_of(loader),
-                    "stateful": {name: obj.state_dict() for name, obj in (stateful or {}).items()},
+                    "state": {name: _module_or_state(obj) for name, obj in managed.items()},
                     "rng_per_rank": [g["rng"] for g in gathered],
                 }
-                folder = self._write(step, state, extra, found)
+                folder = self._write(step, state, found)
             except Exception as exc:  # noqa: BLE001 - every rank must learn of it
                 error = exc
         self._agree_written(step, error)
         return folder
 
-    def _write(self, step: int, state: dict, extra: dict | None, found: dict) -> Path:
+    def _write(self, step: int, state: dict, found: dict) -> Path:
         """Rank 0: write the folder atomically, then prune older ones."""
-        state.update(step=step, world_size=self.runtime.world_size, extra=extra or {})
-        meta = {"world_size": self.runtime.world_size, "extra": extra or {}}
+        state.update(step=step, world_size=self.runtime.world_size, extra=self.extra)
+        meta = {"world_size": self.runtime.world_size, "extra": self.extra}
         if found:
             meta["differs_across_ranks"] = {s: list(ranks) for s, ranks in found.items()}
         folder = write_checkpoint(self.directory, step, state, meta)
@@ -254,20 +277,21 @@ class CheckpointManager:
             "Nothing was left half-written; see rank 0's traceback for the cause."
         )
 
-    def maybe_save(self, step: int, **state: Any) -> Path | None:
+    def maybe_save(self, step: int) -> Path | None:
         """:meth:`save` when ``every_steps`` divides ``step``. Collective like :meth:`save`."""
         if self.every_steps and step % self.every_steps == 0:
-            return self.save(step, **state)
+            return self.save(step)
         return None
 
-    def maybe_save_epoch(self, epoch: int, step: int, **state: Any) -> Path | None:
-        """After epoch ``epoch`` (1-based) ends: :meth:`save` when ``every_epochs`` divides it.
+    def maybe_save_epoch(self, epoch: int, *, step: int) -> Path | None:
+        """After epoch ``epoch`` (1-based) ends: :meth:`save` of ``step`` when
+        ``every_epochs`` divides ``epoch``.
 
         Collective like :meth:`save`; call it once the loader's pass is over, so the checkpoint
         resumes at the start of the next epoch.
         """
         if self.every_epochs and epoch % self.every_epochs == 0:
-            return self.save(step, **state)
+            return self.save(step)
         return None
 
     def _prune(self) -> None:
@@ -301,43 +325,34 @@ class CheckpointManager:
                 )
         return None
 
-    def resume(
-        self,
-        *,
-        model: torch.nn.Module,
-        optimizer: Any = None,
-        scheduler: Any = None,
-        scaler: Any = None,
-        loader: Any = None,
-        path: str | Path | None = None,
-        extra: dict | None = None,
-        stateful: dict[str, Any] | None = None,
-    ) -> int:
-        """Restore the newest complete checkpoint (or ``path``); returns its step, 0 if none.
+    def resume(self, path: str | Path | None = None) -> int:
+        """Restore the newest complete checkpoint (or ``path``) into the managed state; returns
+        its step, 0 if there is none (the state is left as it is).
 
         Storages are mapped to CPU, then each tensor goes to the device of the object it is
         loaded into (never every rank onto cuda:0). Checkpoints newer than the one resumed (an
         abandoned future, e.g. when ``path`` names an older one) are deleted, so later saves and
         ``resume`` calls never mix two histories. Only resume checkpoints you trust: the state
-        is unpickled.
+        is unpickled. A ``ZeroRedundancyOptimizer`` takes its own shard of the consolidated
+        state.
 
-        Collective: call on every rank; the ranks check they resumed the same checkpoint.
+        Collective: call on every rank; the ranks check they resumed the same checkpoint. At
+        world size 1 no collective runs.
 
         Args:
-            extra: settings that must equal those saved (see :func:`check_compatible`).
-            stateful: ``{name: object}`` as given to :meth:`save`; each gets its state back.
-                A ``ZeroRedundancyOptimizer`` as ``optimizer`` takes its own shard of the
-                consolidated state.
+            path: a ``step-XXXXXXXX`` folder to resume instead of the newest complete one.
 
         Raises:
-            TypeError: a ``stateful`` entry lacks ``state_dict``/``load_state_dict`` (checked
-                before anything is read, also when there is no checkpoint yet).
-            ConfigError: another world size or other settings (see :func:`check_compatible`).
-            DataError: ``path`` is corrupt or incomplete; a ``stateful`` object has no state
-                in the checkpoint.
+            ConfigError: the manager was built without ``state``; the checkpoint was written by
+                another world size or other settings (see :func:`check_compatible`).
+            DataError: ``path`` is corrupt or incomplete; a managed object has no state in the
+                checkpoint.
             DistributedError: the ranks found different newest checkpoints.
+
+        Example:
+            >>> step = ckpt.resume()  # doctest: +SKIP
         """
-        check_stateful(stateful)  # also when there is nothing to resume yet
+        managed = self._managed("resume")
         if path is not None:
             found: tuple[Path, dict[str, Any]] | None = (Path(path), load_checkpoint(Path(path)))
         else:
@@ -352,19 +367,15 @@ class CheckpointManager:
         if found is None:
             return 0
         folder, state = found
-        check_compatible(folder, read_manifest(folder), self.runtime.world_size, extra)
-        check_saved_stateful(folder, state.get("stateful") or {}, stateful)
-        load_model_state(model, state["model"])
-        for name, obj in (stateful or {}).items():
-            obj.load_state_dict(state["stateful"][name])
-        for obj, key in (
-            (optimizer, "optimizer"),
-            (scheduler, "scheduler"),
-            (scaler, "scaler"),
-            (loader, "loader"),
-        ):
-            if obj is not None and state[key] is not None:
-                obj.load_state_dict(state[key])
+        check_compatible(folder, read_manifest(folder), self.runtime.world_size, self.extra)
+        saved = _saved_state(folder, state)
+        check_saved_state(folder, saved, managed)
+        modules = [n for n, obj in managed.items() if isinstance(obj, torch.nn.Module)]
+        for name in modules + [n for n in managed if n not in modules]:  # modules first
+            if name in modules:
+                load_model_state(managed[name], saved[name])
+            else:
+                managed[name].load_state_dict(saved[name])
         set_rng_state(state["rng_per_rank"][self.runtime.rank])
         barrier(self.runtime)  # every rank has read it before newer ones are removed
         if self.runtime.is_rank_zero:

@@ -1,9 +1,10 @@
-"""What a save accepts besides the model, checked before anything is written or communicated.
+"""What a checkpoint manager accepts, checked before anything is written or communicated.
 
 - ``extra``: JSON settings, written to the manifest and compared on resume (batch size, ...).
-- ``stateful``: ``{name: object}`` for replicated state outside the model (an EMA copy,
-  ``torch.optim.swa_utils.AveragedModel``, a metric tracker): anything with ``state_dict()`` and
-  ``load_state_dict()``, the protocol torch calls ``Stateful``.
+- ``state``: ``{name: object}``, everything the manager saves and resumes (model, optimizer,
+  scheduler, scaler, loader, an EMA copy, ``torch.optim.swa_utils.AveragedModel``, a metric
+  tracker): anything with ``state_dict()`` and ``load_state_dict()``, the protocol torch calls
+  ``Stateful``.
 - a ``torch.distributed.optim.ZeroRedundancyOptimizer``: its state is sharded, one part per
   rank; a save first consolidates it on rank 0 (a collective), a resume gives each rank its part.
 """
@@ -36,58 +37,58 @@ def check_extra(extra: Mapping[str, Any] | None) -> None:
                 f"checkpoint extra[{key!r}] is a {type(value).__name__}: extra holds JSON "
                 "settings (numbers, strings, lists, dicts) written to the manifest and compared "
                 f"on resume. Pass state with state_dict()/load_state_dict() as "
-                f"stateful={{{key!r}: ...}} (a tensor: keep it in an nn.Module buffer or your own "
+                f"state={{{key!r}: ...}} (a tensor: keep it in an nn.Module buffer or your own "
                 "object), or store a JSON form (tensor.tolist())."
             ) from None
 
 
-def check_stateful(stateful: Mapping[str, Any] | None) -> None:
-    """Raise unless every value has callable ``state_dict`` and ``load_state_dict``.
+def check_state(state: Mapping[str, Any] | None) -> dict[str, Any]:
+    """The manager's ``{name: object}`` without its ``None`` values, once each entry is checked.
 
     Raises:
-        TypeError: ``stateful`` is not a dict, or names the entry and its type.
+        TypeError: ``state`` is not a dict, or names the entry that is not a str name and an
+            object with ``state_dict()``/``load_state_dict()``.
     """
-    if stateful is not None and not isinstance(stateful, Mapping):
+    if state is not None and not isinstance(state, Mapping):
         raise TypeError(
-            f"checkpoint stateful is a {type(stateful).__name__}: "
-            "pass a dict {name: object with state_dict()/load_state_dict()}, e.g. "
-            "stateful={'ema': ema}; the same names on save and resume."
+            f"checkpoint state is a {type(state).__name__}: pass a dict {{name: object with "
+            "state_dict()/load_state_dict()}, e.g. state={'model': model, 'optimizer': opt}."
         )
-    for name, obj in (stateful or {}).items():
-        if not isinstance(name, str) or not all(
-            callable(getattr(obj, m, None)) for m in ("state_dict", "load_state_dict")
+    for name, obj in (state or {}).items():
+        if obj is not None and (
+            not isinstance(name, str)
+            or not all(callable(getattr(obj, m, None)) for m in ("state_dict", "load_state_dict"))
         ):
             raise TypeError(
-                f"checkpoint stateful[{name!r}] is a {type(obj).__name__}: each entry must be "
+                f"checkpoint state[{name!r}] is a {type(obj).__name__}: each entry must be "
                 "a str name and an object with state_dict() and load_state_dict() (an "
                 "nn.Module, an optimizer, torch.optim.swa_utils.AveragedModel, your own class). "
                 "Wrap a bare tensor in such an object."
             )
+    return {name: obj for name, obj in (state or {}).items() if obj is not None}
 
 
-def check_saved_stateful(
-    folder: Path, saved: Mapping[str, Any], stateful: Mapping[str, Any] | None
-) -> None:
-    """Before a resume loads anything: each object passed has state in the checkpoint.
+def check_saved_state(folder: Path, saved: Mapping[str, Any], state: Mapping[str, Any]) -> None:
+    """Before a resume loads anything: each object managed has state in the checkpoint.
 
-    State saved but not passed is not restored: a warning names it.
+    State saved but not managed is not restored: a warning names it.
 
     Raises:
-        DataError: an object passed has no state in the checkpoint.
+        DataError: an object managed has no state in the checkpoint.
     """
-    missing = [name for name in (stateful or {}) if name not in saved]
+    missing = [name for name in state if name not in saved]
     if missing:
         raise DataError(
             f"checkpoint {folder} has no state for "
-            f"{', '.join(f'stateful[{n!r}]' for n in missing)} (it holds "
-            f"{sorted(saved) or 'none'}). Pass the objects it was saved with, or leave the new "
-            "one out of resume() to start it fresh."
+            f"{', '.join(f'state[{n!r}]' for n in missing)} (it holds "
+            f"{sorted(saved) or 'none'}). Manage the objects it was saved with, or leave the new "
+            "one out of CheckpointManager(state=...) to start it fresh."
         )
-    left = [name for name in saved if name not in (stateful or {})]
+    left = [name for name in saved if name not in state]
     if left:
         log.warning(
-            "checkpoint %s holds state not restored: %s. Pass stateful={name: obj} to resume() "
-            "to restore it.", folder.name, ", ".join(f"stateful[{n!r}]" for n in left),
+            "checkpoint %s holds state not restored: %s. Add them to CheckpointManager(state=...) "
+            "to restore them.", folder.name, ", ".join(f"state[{n!r}]" for n in left),
         )  # fmt: skip
 
 

@@ -69,7 +69,7 @@ def _listed(keys: list[str]) -> str:
 
 
 def load_model_state(
-    model: torch.nn.Module, state: dict[str, torch.Tensor], strict: bool = True
+    model: torch.nn.Module, state: dict[str, torch.Tensor], *, strict: bool = True
 ) -> Any:
     """Load a state dict saved with or without wrapper prefixes into a wrapped or plain model.
 

@@ -129,8 +129,8 @@ def _train_here(config: TrainConfig, source: DataSource, *, worker: bool) -> int
     on = bool(config.stall_timeout)  # 0 = the watchdog off: no stall and no deadlock reports
     with init_runtime(
         config.backend,
-        config.init_timeout,
-        config.train_timeout,
+        init_timeout_s=config.init_timeout,
+        train_timeout_s=config.train_timeout,
         stall_timeout_s=config.stall_timeout if on else None,
         deadlock_timeout_s=5.0 if on else None,
     ) as runtime:

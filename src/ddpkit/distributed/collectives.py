@@ -82,7 +82,7 @@ def _debug_enabled(runtime: Runtime) -> bool:
 
 
 def all_reduce(
-    tensor: torch.Tensor, runtime: Runtime, op: dist.ReduceOp.RedOpType = dist.ReduceOp.SUM
+    tensor: torch.Tensor, runtime: Runtime, *, op: dist.ReduceOp.RedOpType = dist.ReduceOp.SUM
 ) -> torch.Tensor:
     """Reduce ``tensor`` over all ranks with ``op``; returns a new tensor (input untouched).
 

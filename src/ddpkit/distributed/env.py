@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from ddpkit.errors import ConfigError
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class ProcessInfo:
     """The coordinates of one process in a job.
 

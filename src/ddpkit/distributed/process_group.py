@@ -14,7 +14,7 @@ import datetime
 import faulthandler
 import os
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import KW_ONLY, dataclass, field
 from typing import Any
 
 import torch
@@ -90,11 +90,15 @@ class Runtime:
             (see :mod:`ddpkit.distributed.collectives`; also ``DDPKIT_DEBUG_COLLECTIVES=1``).
         watchdog: the deadlock and stall detector (:mod:`ddpkit.distributed.watchdog`), or
             ``None`` (off, or a single process).
+
+    Built by :func:`init_runtime`. ``Runtime(ProcessInfo())`` is one CPU process without a
+    process group (for tests and tools); every field after ``info`` is keyword-only.
     """
 
     info: ProcessInfo
-    backend: str | None
-    device: torch.device
+    _: KW_ONLY
+    backend: str | None = None
+    device: torch.device = field(default_factory=lambda: torch.device("cpu"))
     process_group: Any = None
     train_timeout_s: float = 1800.0
     debug_collectives: bool = False
@@ -275,12 +279,12 @@ def _attempt_store(info: ProcessInfo, timeout_s: float) -> dist.Store:
 
 def init_runtime(
     backend: str = "auto",
+    *,
     init_timeout_s: float = 300.0,
     train_timeout_s: float = 1800.0,
     info: ProcessInfo | None = None,
     store: dist.Store | None = None,
     stall_timeout_s: float | None = 300.0,
-    *,
     deadlock_timeout_s: float | None = 5.0,
 ) -> Runtime:
     """Join the job: create the process groups and pick this rank's device.
@@ -331,7 +335,7 @@ def init_runtime(
     chosen = resolve_backend(backend, info)
     device = torch.device("cuda", info.local_rank) if chosen == "nccl" else torch.device("cpu")
     if not info.is_distributed:
-        return Runtime(info, None, device, None, float(train_timeout_s))
+        return Runtime(info, device=device, train_timeout_s=float(train_timeout_s))
     if dist.is_initialized():
         raise DistributedError(
             "init_runtime: a default process group already exists. Call init_runtime once per "
@@ -366,7 +370,13 @@ def init_runtime(
     except BaseException:
         dist.destroy_process_group()
         raise
-    runtime = Runtime(info, chosen, device, group, float(train_timeout_s))
+    runtime = Runtime(
+        info,
+        backend=chosen,
+        device=device,
+        process_group=group,
+        train_timeout_s=float(train_timeout_s),
+    )
     runtime.watchdog = watchdog
     return runtime
 

@@ -38,16 +38,14 @@ class UnpaddedDistributedSampler(Sampler[int]):
 
     Args:
         dataset_len: number of samples in the dataset.
-        num_replicas: world size.
+        world_size: the number of ranks (what torch's samplers call ``num_replicas``).
         rank: this process's rank.
     """
 
-    def __init__(self, dataset_len: int, num_replicas: int, rank: int) -> None:
-        if not 0 <= rank < num_replicas:
-            raise ConfigError(
-                f"invalid shard: rank={rank} not in [0, num_replicas={num_replicas})."
-            )
-        self.indices = range(rank, dataset_len, num_replicas)
+    def __init__(self, dataset_len: int, *, world_size: int, rank: int) -> None:
+        if not 0 <= rank < world_size:
+            raise ConfigError(f"invalid shard: rank={rank} not in [0, world_size={world_size}).")
+        self.indices = range(rank, dataset_len, world_size)
 
     def __iter__(self) -> Iterator[int]:
         return iter(self.indices)
@@ -110,6 +108,7 @@ def _length(dataset: Dataset) -> int | None:
 def build_train_loader(
     dataset: Dataset,
     runtime: Runtime,
+    *,
     batch_size: int,
     shuffle: bool = True,
     seed: int = 0,
@@ -275,7 +274,7 @@ def _agree_across_ranks(
 
 
 def build_eval_loader(
-    dataset: Dataset, runtime: Runtime, batch_size: int, **loader_kwargs: Any
+    dataset: Dataset, runtime: Runtime, *, batch_size: int, **loader_kwargs: Any
 ) -> DataLoader:
     """An evaluation loader over this rank's unpadded shard: each sample on exactly one rank.
 
@@ -301,5 +300,5 @@ def build_eval_loader(
     length = _length(dataset)
     if length == 0:
         raise ConfigError("empty evaluation dataset: len(dataset)=0. Check the data path.")
-    sampler = UnpaddedDistributedSampler(length, runtime.world_size, runtime.rank)
+    sampler = UnpaddedDistributedSampler(length, world_size=runtime.world_size, rank=runtime.rank)
     return DataLoader(dataset, batch_size=batch_size, sampler=sampler, **loader_kwargs)

@@ -57,7 +57,7 @@ class NonFiniteGuard:
         self.mode = mode
         self.num_skipped = 0
 
-    def check(self, step: int, loss: torch.Tensor, model: nn.Module) -> bool:
+    def check(self, step: int, loss: torch.Tensor, *, model: nn.Module) -> bool:
         """True when every rank's loss and gradients are finite (go ahead and step).
 
         Collective: call on every rank, every step. It also compares the ranks' ``step``

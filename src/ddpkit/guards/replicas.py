@@ -151,7 +151,7 @@ def buffer_fix(model: nn.Module) -> str:
     )
 
 
-def check_replicas(model: nn.Module, runtime: Runtime, step: int) -> None:
+def check_replicas(model: nn.Module, runtime: Runtime, *, step: int) -> None:
     """Raise on every rank if any rank's parameters or unsynced buffers differ from rank 0's.
 
     Compares the exact checksums of :func:`tensor_digests` (three per tensor), gathered in
@@ -173,7 +173,7 @@ def check_replicas(model: nn.Module, runtime: Runtime, step: int) -> None:
 
     Example:
         >>> if step % 100 == 0:
-        ...     check_replicas(model, rt, step)                     # doctest: +SKIP
+        ...     check_replicas(model, rt, step=step)                # doctest: +SKIP
     """
     if runtime.process_group is None:
         return

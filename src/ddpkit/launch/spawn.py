@@ -120,7 +120,9 @@ def _worker(
 
         store = dist.FileStore(os.path.join(workdir, "store"), world_size)
         if init:
-            with init_runtime(backend, pg_timeout_s, pg_timeout_s, store=store) as runtime:
+            with init_runtime(
+                backend, init_timeout_s=pg_timeout_s, train_timeout_s=pg_timeout_s, store=store
+            ) as runtime:
                 outcome = ("ok", fn(runtime, *args))
         else:
             outcome = ("ok", fn(store, *args))
@@ -147,6 +149,7 @@ def _kill_all(procs: list[mp.process.BaseProcess]) -> None:
 def run_distributed(
     fn: Callable[..., Any],
     world_size: int,
+    *,
     args: Sequence[Any] = (),
     timeout_s: float = 60.0,
     pg_timeout_s: float = 30.0,

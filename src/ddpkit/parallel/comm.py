@@ -1,7 +1,8 @@
 """Gradient communication: torch's DDP comm hooks for compression, wrapped to count bytes.
 
-``register_grad_hook(ddp_model, runtime, "fp16", stats=CommStats())`` registers one DDP
-communication hook (torch allows exactly one per model, before the first backward):
+``register_grad_hook(ddp_model, runtime, grad_compression="fp16", comm_stats=CommStats())``
+registers one DDP communication hook (torch allows exactly one per model, before the first
+backward):
 
 - ``none``: torch's ``allreduce_hook`` (the same average DDP computes without a hook);
 - ``fp16``: torch's ``fp16_compress_wrapper`` around it (half the bytes);
@@ -46,7 +47,7 @@ from ddpkit.log import get_logger
 GRAD_COMPRESSIONS = ("none", "fp16", "bf16", "powersgd")
 
 
-@dataclass
+@dataclass(kw_only=True)
 class CommStats:
     """Bytes this rank handed to all-reduce, counted by ddpkit's wrapping hooks.
 
@@ -202,12 +203,14 @@ def check_compression(compression: str, powersgd_rank: int, powersgd_start_step:
 def register_grad_hook(
     model: DistributedDataParallel,
     runtime: Runtime,
-    compression: str = "none",
-    stats: CommStats | None = None,
+    *,
+    grad_compression: str = "none",
+    comm_stats: CommStats | None = None,
     powersgd_rank: int = 1,
     powersgd_start_step: int = 10,
 ) -> CommStats:
-    """Register the DDP comm hook for ``compression`` on ``model``, counting bytes in ``stats``.
+    """Register the DDP comm hook for ``grad_compression`` on ``model``, counting bytes in
+    ``comm_stats`` (the names :func:`~ddpkit.wrap_model` uses).
 
     Not a collective itself; call it on every rank before the first backward (the hooks then
     all-reduce during every backward). torch allows one hook per model.
@@ -215,8 +218,8 @@ def register_grad_hook(
     Args:
         model: a ``DistributedDataParallel`` model without a comm hook.
         runtime: the job's runtime; hooks use its training process group.
-        compression: ``none``, ``fp16``, ``bf16`` or ``powersgd``.
-        stats: the counter to fill (a new one when omitted).
+        grad_compression: ``none``, ``fp16``, ``bf16`` or ``powersgd``.
+        comm_stats: the counter to fill (a new one when omitted).
         powersgd_rank: PowerSGD's ``matrix_approximation_rank`` (rank of P and Q).
         powersgd_start_step: PowerSGD's ``start_powerSGD_iter``: backward passes with a plain
             all-reduce before compression starts (>= 2).
@@ -229,11 +232,12 @@ def register_grad_hook(
         TypeError: ``bf16`` on nccl older than 2.10 (torch's own check).
 
     Example:
-        >>> stats = register_grad_hook(ddp_model, rt, "fp16")      # doctest: +SKIP
+        >>> stats = register_grad_hook(ddp_model, rt, grad_compression="fp16")  # doctest: +SKIP
         >>> ...; stats.bytes_per_step(num_steps)
     """
+    compression = grad_compression
     check_compression(compression, powersgd_rank, powersgd_start_step)
-    stats = stats if stats is not None else CommStats()
+    stats = comm_stats if comm_stats is not None else CommStats()
     state = HookState(runtime.process_group, stats)
     hook = _counting_allreduce_hook
     if compression == "fp16":

@@ -1,9 +1,9 @@
 """Local SGD: each rank steps on its own gradients; parameters are averaged every H steps.
 
 This is the correct form of "skip the all-reduce to go faster". Built from torch's pieces:
-DDP's own switch for gradient sync (the ``require_backward_grad_sync`` flag that
-``DistributedDataParallel.no_sync()`` turns off) is turned off for good, so backward leaves each
-rank's gradients local and DDP's reducer does no work at all; ``PostLocalSGDOptimizer`` runs a
+DDP's public ``DistributedDataParallel.no_sync()`` context is entered once and held open (by the
+averager, as long as the optimizer lives), so backward leaves each rank's gradients local and
+DDP's reducer does no work at all; ``PostLocalSGDOptimizer`` runs a
 model averager after every optimizer step. The averager is a ``ModelAverager`` subclass (torch's
 extension point) that averages with torch's ``average_parameters`` when the optimizer step count
 is a multiple of H, and counts the bytes. Replicas may differ between averaging steps and are
@@ -14,17 +14,19 @@ Why not torch's ``post_localSGD_hook``: it gives the same gradients (the hook ha
 back unchanged when ``post_local_gradient_allreduce=False``), but DDP still copies every gradient
 into its buckets, calls the Python hook per bucket and copies the buckets back, at every step.
 On 2 CPU cores (MNIST CNN, H = 4, 7 interleaved rounds) the hook reached 0.911x the no-sync
-ceiling and the flag 0.962x (docs/performance.md, section 3). With
+ceiling and the held ``no_sync()`` 0.962x (docs/performance.md, section 3). With
 ``post_local_gradient_allreduce=True`` (torch's default) the hook would all-reduce gradients
 inside an intra-node subgroup, which on one node is every rank (no saving).
-Also off with the flag: DDP's buffer broadcast before forward, so buffers (BatchNorm statistics)
-stay per rank. ``PeriodicModelAverager`` counts steps from 0 and averages after steps 1, H + 1,
-...; ddpkit's averager averages after steps H, 2H, ..., so a replica check every N steps (N a
-multiple of H) always runs right after an averaging step.
+Also off inside ``no_sync()``: DDP's buffer broadcast before forward, so buffers (BatchNorm
+statistics) stay per rank. ``PeriodicModelAverager`` counts steps from 0 and averages after
+steps 1, H + 1, ...; ddpkit's averager averages after steps H, 2H, ..., so a replica check
+every N steps (N a multiple of H) always runs right after an averaging step.
 """
 
 from __future__ import annotations
 
+import contextlib
+import weakref
 from typing import TYPE_CHECKING
 
 import torch
@@ -38,6 +40,14 @@ from ddpkit.parallel.comm import CommStats
 
 if TYPE_CHECKING:
     from torch.distributed.optim import PostLocalSGDOptimizer
+
+# DDP models whose gradient sync enable_local_sgd turned off (read by join_uneven_inputs)
+_LOCAL_SGD_MODELS: weakref.WeakSet[DistributedDataParallel] = weakref.WeakSet()
+
+
+def is_local_sgd_model(model: torch.nn.Module) -> bool:
+    """True while :func:`enable_local_sgd` holds ``model``'s gradient sync off."""
+    return model in _LOCAL_SGD_MODELS
 
 
 class PeriodicAverager(averagers.ModelAverager):
@@ -54,6 +64,8 @@ class PeriodicAverager(averagers.ModelAverager):
         self.period = period
         self.stats = stats
         self.last_average_step = 0
+        # DDP's no_sync() held open for the life of this averager (see enable_local_sgd)
+        self.sync_off = contextlib.ExitStack()
 
     def average_parameters(self, params) -> None:
         """Count the step; average when it is a multiple of ``period``. Collective."""
@@ -83,16 +95,17 @@ class PeriodicAverager(averagers.ModelAverager):
 def enable_local_sgd(
     model: DistributedDataParallel,
     optimizer: torch.optim.Optimizer,
+    *,
     runtime: Runtime,
     sync_every: int,
-    stats: CommStats | None = None,
+    comm_stats: CommStats | None = None,
 ) -> PostLocalSGDOptimizer:
     """Turn a DDP model and its optimizer into local SGD with averaging every ``sync_every`` steps.
 
-    Turns off ``model``'s gradient sync for good (what ``model.no_sync()`` does for one
-    block; ``no_sync()`` blocks inside still work) and wraps the optimizer; use the returned
-    optimizer for ``step``/``zero_grad``/checkpoints (its state dict also holds the averager's
-    step). Averaging happens inside ``step()``.
+    Enters ``model.no_sync()`` (DDP's public switch) and holds it open for as long as the
+    returned optimizer lives (``no_sync()`` blocks inside still work), and wraps the optimizer;
+    use the returned optimizer for ``step``/``zero_grad``/checkpoints (its state dict also holds
+    the averager's step). Averaging happens inside ``step()``.
 
     Collective: ``step()`` of the returned optimizer is one on averaging steps; call it on every
     rank at every step. Build an LR scheduler on the inner ``optimizer``.
@@ -103,7 +116,8 @@ def enable_local_sgd(
         optimizer: the local optimizer over ``model``'s parameters.
         runtime: the job's runtime (its training process group averages).
         sync_every: H >= 2, optimizer steps between parameter averaging rounds.
-        stats: a :class:`CommStats` to count gradient and averaging bytes in.
+        comm_stats: a :class:`CommStats` to count gradient and averaging bytes in (the same
+            name as :func:`~ddpkit.wrap_model`'s).
 
     Returns:
         ``torch.distributed.optim.PostLocalSGDOptimizer``; ``.averager`` is a
@@ -115,7 +129,7 @@ def enable_local_sgd(
 
     Example:
         >>> opt = enable_local_sgd(ddp_model, torch.optim.SGD(ddp_model.parameters(), 0.1),
-        ...                        rt, sync_every=4)                       # doctest: +SKIP
+        ...                        runtime=rt, sync_every=4)               # doctest: +SKIP
     """
     if not isinstance(sync_every, int) or sync_every < 2:
         raise ConfigError(
@@ -125,7 +139,7 @@ def enable_local_sgd(
     if not isinstance(model, DistributedDataParallel):
         raise ConfigError(
             f"local SGD needs a DistributedDataParallel model: got {type(model).__name__}. "
-            "Wrap it with ddpkit.wrap_model(model, runtime, 'ddp') first."
+            "Wrap it with ddpkit.wrap_model(model, runtime, strategy='ddp') first."
         )
     if getattr(model, "static_graph", False):
         raise ConfigError(
@@ -139,9 +153,11 @@ def enable_local_sgd(
             "local SGD on a DDP model with a comm hook: local SGD sends no gradients, so the "
             "hook (gradient compression?) would never run. Wrap the model without one."
         )
-    stats = stats if stats is not None else CommStats()
-    model.require_backward_grad_sync = False  # the flag no_sync() clears; DDP reads it in forward
+    stats = comm_stats if comm_stats is not None else CommStats()
     averager = PeriodicAverager(sync_every, runtime.process_group, stats)
+    # entered here and never left while the averager lives: gradient sync is off for good
+    averager.sync_off.enter_context(model.no_sync())
+    _LOCAL_SGD_MODELS.add(model)
     # imported here: torch.distributed.optim scripts its functional optimizers on import
     # (about 4 s of CPU), which every other ddpkit user would pay
     from torch.distributed.optim import PostLocalSGDOptimizer

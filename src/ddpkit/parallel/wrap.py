@@ -70,8 +70,8 @@ def unwrap_model(model: nn.Module) -> nn.Module:
 def wrap_model(
     model: nn.Module,
     runtime: Runtime,
-    strategy: str = "auto",
     *,
+    strategy: str = "auto",
     sync_batchnorm: bool = False,
     grad_compression: str = "none",
     comm_stats: CommStats | None = None,
@@ -162,7 +162,12 @@ def wrap_model(
     )
     if grad_compression != "none" or comm_stats is not None:
         register_grad_hook(
-            ddp_model, runtime, grad_compression, comm_stats, powersgd_rank, powersgd_start_step
+            ddp_model,
+            runtime,
+            grad_compression=grad_compression,
+            comm_stats=comm_stats,
+            powersgd_rank=powersgd_rank,
+            powersgd_start_step=powersgd_start_step,
         )
     WrapGuard(ddp_model, runtime).attach()
     return ddp_model

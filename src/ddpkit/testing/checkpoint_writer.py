@@ -24,12 +24,13 @@ def main(argv: list[str]) -> None:
         model: torch.nn.Module = MnistCNN()
     else:
         model = torch.nn.Linear(256, 256)
-    ckpt = CheckpointManager(argv[0], Runtime(ProcessInfo(), None, torch.device("cpu")), 2)
-    step = ckpt.resume(model=model)
+    runtime = Runtime(ProcessInfo())
+    ckpt = CheckpointManager(argv[0], runtime, state={"model": model}, keep_last=2)
+    step = ckpt.resume()
     print("ready", flush=True)
     while True:
         step += 1
-        ckpt.save(step, model=model)
+        ckpt.save(step)
 
 
 if __name__ == "__main__":

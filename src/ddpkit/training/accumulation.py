@@ -88,7 +88,8 @@ class GradientAccumulator:
             the gradients silently stop being all-reduced).
 
     Example:
-        >>> for window in GradientAccumulator(model, rt, 4).windows(loader):  # doctest: +SKIP
+        >>> accumulator = GradientAccumulator(model, rt, num_micro_steps=4)  # doctest: +SKIP
+        >>> for window in accumulator.windows(loader):                      # doctest: +SKIP
         ...     ...
     """
 
@@ -96,6 +97,7 @@ class GradientAccumulator:
         self,
         model: nn.Module,
         runtime: Runtime,
+        *,
         num_micro_steps: int = 1,
         precision: MixedPrecision | None = None,
         same_batch_sizes: bool | None = None,

@@ -21,6 +21,7 @@ def evaluate(
     model: nn.Module,
     loader: Iterable[tuple[torch.Tensor, torch.Tensor]],
     runtime: Runtime,
+    *,
     loss_fn: Callable[..., torch.Tensor] = F.cross_entropy,
 ) -> dict[str, float]:
     """Classification loss and accuracy over the whole evaluation set.

@@ -64,7 +64,8 @@ class MixedPrecision:
 
     Attributes:
         scaler: the ``torch.amp.GradScaler`` (``16-mixed``), else ``None``; pass it to
-            :class:`~ddpkit.CheckpointManager` (``scaler=``) so resume restores its scale.
+            :class:`~ddpkit.CheckpointManager` (``state={"scaler": mp.scaler, ...}``) so resume
+            restores its scale.
 
     Raises:
         ConfigError: unknown precision; ``bf16-mixed`` on a GPU without bfloat16 support.
@@ -81,6 +82,7 @@ class MixedPrecision:
         self,
         precision: str,
         runtime: Runtime,
+        *,
         init_scale: float = 65536.0,
         growth_interval: int = 2000,
     ) -> None:
@@ -121,7 +123,7 @@ class MixedPrecision:
         return self.scaler.scale(loss) if self.scaler is not None else loss
 
     def step(
-        self, optimizer: torch.optim.Optimizer, model: nn.Module, max_norm: float = 0.0
+        self, optimizer: torch.optim.Optimizer, model: nn.Module, *, max_norm: float = 0.0
     ) -> OptimizerUpdate:
         """Unscale, clip and step (or skip, on every rank alike); returns an OptimizerUpdate.
 

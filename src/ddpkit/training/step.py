@@ -8,7 +8,7 @@ this)::
         with micro:                               # DDP no_sync() unless the last; autocast
             loss = loss_fn(model(x), y)           # forward inside: DDP decides sync here
             micro.backward(loss)                  # normalised over the global batch; scaled
-    if guard is None or guard.check(step, loss, model):   # NaN/Inf, decided by every rank
+    if guard is None or guard.check(step, loss, model=model):   # NaN/Inf, decided by every rank
         precision.step(optimizer, model, max_norm)        # unscale, clip, step, scaler update
 
 Gradients are all-reduced once per optimizer step, during the last micro-step's backward (DDP
@@ -151,7 +151,7 @@ class TrainStep:
         self.runtime = runtime
         self.precision = precision or MixedPrecision("32", runtime)
         self.accumulator = GradientAccumulator(
-            model, runtime, num_micro_steps, self.precision,
+            model, runtime, num_micro_steps=num_micro_steps, precision=self.precision,
             same_batch_sizes=same_batch_sizes, num_samples_fn=num_samples_fn,
         )  # fmt: skip
         self.loss_fn = loss_fn
@@ -226,7 +226,9 @@ class TrainStep:
 
     def _update(self, window_loss: torch.Tensor) -> tuple[bool, float | None]:
         """The guard's decision, then unscale/clip/step: ``(stepped, grad_norm)``."""
-        if self.guard is not None and not self.guard.check(self.num_steps, window_loss, self.model):
+        if self.guard is not None and not self.guard.check(
+            self.num_steps, window_loss, model=self.model
+        ):
             return False, None
-        update = self.precision.step(self.optimizer, self.model, self.clip_grad_norm)
+        update = self.precision.step(self.optimizer, self.model, max_norm=self.clip_grad_norm)
         return update.stepped, update.grad_norm

@@ -29,6 +29,7 @@ from torch.nn.parallel import DistributedDataParallel
 from ddpkit.distributed.collectives import gather_per_rank
 from ddpkit.distributed.process_group import Runtime
 from ddpkit.errors import ConfigError, DistributedError
+from ddpkit.parallel.local_sgd import is_local_sgd_model
 
 
 class UnevenInputsError(DistributedError):
@@ -65,7 +66,7 @@ def verify_even_batches(num_batches: int, runtime: Runtime) -> None:
 
 
 def join_uneven_inputs(
-    model: nn.Module, runtime: Runtime, enable: bool = True
+    model: nn.Module, runtime: Runtime, *, enable: bool = True
 ) -> contextlib.AbstractContextManager:
     """A context in which ranks may run different numbers of DDP iterations without hanging.
 
@@ -81,8 +82,9 @@ def join_uneven_inputs(
 
     Raises:
         ConfigError: world size above 1 and ``model`` is not ``DistributedDataParallel``, or
-            its gradient sync is off for local SGD (Join does not shadow the averaging
-            all-reduce, so a rank that ran out of data would leave the others waiting).
+            :func:`~ddpkit.enable_local_sgd` turned its gradient sync off (Join does not shadow
+            the averaging all-reduce, so a rank that ran out of data would leave the others
+            waiting).
 
     Example:
         >>> with join_uneven_inputs(ddp_model, rt):          # doctest: +SKIP
@@ -96,9 +98,9 @@ def join_uneven_inputs(
             f"join_uneven_inputs needs the DDP-wrapped model: got {type(model).__name__}. "
             "Pass the model returned by ddpkit.wrap_model(..., strategy='ddp')."
         )
-    if not model.require_backward_grad_sync:  # enable_local_sgd turned it off (or no_sync())
+    if is_local_sgd_model(model):
         raise ConfigError(
-            "join_uneven_inputs with local SGD (or inside model.no_sync()): Join cannot stand "
+            "join_uneven_inputs with local SGD: Join cannot stand "
             "in for a finished rank in the parameter averaging, so the others would wait. Give "
             "every rank the same number of batches (ddpkit.training.uneven.verify_even_batches)."
         )

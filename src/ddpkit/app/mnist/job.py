@@ -70,7 +70,7 @@ def build_model_and_optimizer(
     model = wrap_model(
         MnistCNN(),
         runtime,
-        config.strategy,
+        strategy=config.strategy,
         sync_batchnorm=config.sync_batchnorm,
         grad_compression=config.grad_compression,
         comm_stats=stats if hooked else None,
@@ -81,7 +81,9 @@ def build_model_and_optimizer(
     inner = build_optimizer(config.optimizer, model.parameters(), config.lr)
     optimizer = inner
     if local_sgd:
-        optimizer = enable_local_sgd(model, inner, runtime, config.sync_every, stats)
+        optimizer = enable_local_sgd(
+            model, inner, runtime=runtime, sync_every=config.sync_every, comm_stats=stats
+        )
     elif stats is not None and not hooked and isinstance(model, DistributedDataParallel):
         stats.builtin_sync_bytes = sum(
             p.numel() * p.element_size() for p in model.parameters() if p.requires_grad
@@ -180,7 +182,7 @@ def build_training(config: TrainConfig, runtime: Runtime, source: DataSource) ->
     train_loader = build_train_loader(
         train_set,
         runtime,
-        config.batch_size,
+        batch_size=config.batch_size,
         seed=config.seed,
         max_batches=config.max_steps * config.grad_accum or None,  # max_steps windows a pass
     )
@@ -190,9 +192,6 @@ def build_training(config: TrainConfig, runtime: Runtime, source: DataSource) ->
     schedule = torch.optim.lr_scheduler.OneCycleLR(
         inner_optimizer, max_lr=config.lr, total_steps=steps_per_epoch * config.epochs
     )
-    ckpt = CheckpointManager(
-        Path(config.output_dir) / "checkpoints", runtime, every_steps=config.checkpoint_every
-    )
     state = {
         "model": model,
         "optimizer": optimizer,
@@ -200,10 +199,14 @@ def build_training(config: TrainConfig, runtime: Runtime, source: DataSource) ->
         "scaler": precision.scaler,
         "loader": train_loader,
     }
+    settings = {**resume_settings(config), "dataset": source.dataset}
+    ckpt = CheckpointManager(
+        Path(config.output_dir) / "checkpoints", runtime, state=state,
+        every_steps=config.checkpoint_every, extra=settings,
+    )  # fmt: skip
     return MnistTraining(
         model, optimizer, inner_optimizer, comm_stats, train_loader, test_loader, precision,
-        schedule, ckpt, state, {**resume_settings(config), "dataset": source.dataset},
-        len(train_set), len(test_set),
+        schedule, ckpt, state, settings, len(train_set), len(test_set),
     )  # fmt: skip
 
 
@@ -212,7 +215,7 @@ def _resume(config: TrainConfig, job: MnistTraining) -> int:
     if not config.resume:
         return 0
     path = None if config.resume == "auto" else config.resume
-    step = job.ckpt.resume(**job.state, path=path, extra=job.settings)
+    step = job.ckpt.resume(path)
     if path is None and step == 0:
         get_logger("train").info(
             "--resume auto: no complete checkpoint in %s, starting from step 0", job.ckpt.directory
@@ -373,8 +376,8 @@ def _train_one_epoch(
             os.kill(os.getpid(), signal.SIGKILL)
         if config.check_replicas_every and step % config.check_replicas_every == 0:
             if averager is None or averager.just_averaged:  # local SGD: equal only then
-                check_replicas(model, runtime, step)
-        job.ckpt.maybe_save(step, **job.state, extra=job.settings)
+                check_replicas(model, runtime, step=step)
+        job.ckpt.maybe_save(step)
         monitor.on_step(step, result)
     seconds = time.perf_counter() - start
     train_loss, num_samples = epoch_loss.reduce(runtime)  # collective
