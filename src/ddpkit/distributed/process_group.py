@@ -347,15 +347,7 @@ def init_runtime(
             f"cannot rendezvous: {', '.join(missing)} not set (launcher={info.source}). "
             "Start with torchrun/ddpkit run, or export rank 0's MASTER_ADDR and MASTER_PORT."
         )
-    token = load_token()
-    if not faulthandler.is_enabled():  # a native abort (gloo's, NCCL's) still shows the stack
-        faulthandler.enable(all_threads=True)
-    if chosen == "nccl":
-        torch.cuda.set_device(device)
-    if store is None:
-        agent_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
-        store = (_attempt_store if agent_store else make_store)(info, init_timeout_s)
-    join(store, info, init_timeout_s, token)  # names missing/duplicate ranks; checks the token
+    store = _rendezvous(info, store, init_timeout_s, chosen=chosen, device=device)
     dist.init_process_group(
         backend=chosen,
         rank=info.rank,
@@ -379,6 +371,28 @@ def init_runtime(
     )
     runtime.watchdog = watchdog
     return runtime
+
+
+def _rendezvous(
+    info: ProcessInfo,
+    store: dist.Store | None,
+    init_timeout_s: float,
+    *,
+    chosen: str,
+    device: torch.device,
+) -> dist.Store:
+    """The job's store, once every rank has joined it (names missing/duplicate ranks, checks
+    the job token); also turns on faulthandler and selects the CUDA device for nccl."""
+    token = load_token()
+    if not faulthandler.is_enabled():  # a native abort (gloo's, NCCL's) still shows the stack
+        faulthandler.enable(all_threads=True)
+    if chosen == "nccl":
+        torch.cuda.set_device(device)
+    if store is None:
+        agent_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+        store = (_attempt_store if agent_store else make_store)(info, init_timeout_s)
+    join(store, info, init_timeout_s, token)
+    return store
 
 
 def _start_watchdog(

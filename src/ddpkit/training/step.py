@@ -40,7 +40,7 @@ from ddpkit.training.precision import MixedPrecision
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class StepResult:
     """What one optimizer step did, on this rank.
 
