@@ -57,18 +57,21 @@ def _reset_ddpkit_logger():
 @pytest.fixture
 def mnist_dir() -> Path:
     """The four original MNIST files shared with the project (skips where absent)."""
-    if not all(
-        (SHARED_MNIST / f"{n}.gz").is_file()
-        for n in (
-            "train-images-idx3-ubyte",
-            "train-labels-idx1-ubyte",
-            "t10k-images-idx3-ubyte",
-            "t10k-labels-idx1-ubyte",
+    names = (
+        "train-images-idx3-ubyte",
+        "train-labels-idx1-ubyte",
+        "t10k-images-idx3-ubyte",
+        "t10k-labels-idx1-ubyte",
+    )
+    missing = [f"{n}.gz" for n in names if not (SHARED_MNIST / f"{n}.gz").is_file()]
+    if missing:
+        reason = (
+            f"needs the MNIST files in {SHARED_MNIST} (../shared/data/mnist beside the clone, "
+            f"where CI puts them); missing: {', '.join(missing)}"
         )
-    ):
         if os.environ.get("CI"):  # CI lays shared/ beside the clone: missing files are a failure
-            pytest.fail(f"shared MNIST files not found in {SHARED_MNIST}")
-        pytest.skip(f"shared MNIST files not found in {SHARED_MNIST}")
+            pytest.fail(reason)
+        pytest.skip(reason)
     return SHARED_MNIST
 
 

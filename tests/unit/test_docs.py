@@ -1,0 +1,114 @@
+"""The docs say only what holds: every name they give as importable imports, every link resolves.
+
+Names: ``from ddpkit[.module] import A, B`` and ``ddpkit.a.b.C`` anywhere in README.md or
+docs/*.md (prose and code). Links: every relative ``[text](target)`` outside code blocks points
+to a file that exists, and a ``#anchor`` to a heading of that file (GitHub's slugs).
+"""
+
+from __future__ import annotations
+
+import importlib
+import re
+from pathlib import Path
+
+import pytest
+
+import ddpkit
+
+REPO = Path(__file__).resolve().parents[2]
+DOCS = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
+
+FROM_IMPORT = re.compile(r"from (ddpkit(?:\.\w+)*) import (\([^)]*\)|[^\n#]+)")
+DOTTED = re.compile(r"(?<![\w./-])ddpkit(?:\.[A-Za-z_]\w*)+")
+LINK = re.compile(r"\[[^\]]*\]\(([^)\s]+)\)")
+FENCE = re.compile(r"^```.*?^```", re.S | re.M)
+
+
+def _name(path: Path) -> str:
+    return str(path.relative_to(REPO))
+
+
+def documented_names() -> dict[str, set[str]]:
+    """``{dotted name: files that mention it}`` for every ddpkit name in the docs."""
+    found: dict[str, set[str]] = {}
+    for doc in DOCS:
+        text = doc.read_text()
+        names = set(DOTTED.findall(text))
+        for module, imported in FROM_IMPORT.findall(text):
+            listed = [n.split(" as ")[0].strip() for n in imported.strip("()").split(",")]
+            names |= {f"{module}.{n}" for n in listed if n}
+        for name in names:
+            found.setdefault(name, set()).add(_name(doc))
+    return found
+
+
+def resolve(dotted: str) -> object:
+    """Import ``ddpkit.a.b.C`` as a user would: modules imported, the rest read as attributes."""
+    obj: object = ddpkit
+    parts = dotted.split(".")
+    for index, part in enumerate(parts[1:], start=2):
+        if hasattr(obj, part):
+            obj = getattr(obj, part)
+        else:
+            obj = importlib.import_module(".".join(parts[:index]))
+    return obj
+
+
+NAMES = documented_names()
+
+
+def test_the_docs_mention_names_to_check():
+    assert "ddpkit.init_runtime" in NAMES and "ddpkit.testing.run_distributed" in NAMES
+
+
+@pytest.mark.parametrize("dotted", sorted(NAMES))
+def test_every_documented_name_imports_as_written(dotted):
+    try:
+        resolve(dotted)
+    except (ImportError, AttributeError) as exc:
+        pytest.fail(f"{dotted} (in {', '.join(sorted(NAMES[dotted]))}) does not import: {exc}")
+
+
+def slug(heading: str) -> str:
+    """GitHub's anchor for a heading: lower case, punctuation dropped, spaces to hyphens."""
+    text = re.sub(r"[^\w\- ]", "", heading.strip().lower().replace("`", ""))
+    return text.replace(" ", "-")
+
+
+def anchors(doc: Path) -> set[str]:
+    seen: dict[str, int] = {}
+    result = set()
+    for line in FENCE.sub("", doc.read_text()).splitlines():
+        if match := re.match(r"#{1,6} (.+)", line):
+            base = slug(match.group(1))
+            count = seen.get(base, 0)
+            seen[base] = count + 1
+            result.add(base if count == 0 else f"{base}-{count}")
+    return result
+
+
+def relative_links() -> list[tuple[str, str]]:
+    links = []
+    for doc in DOCS:
+        for target in LINK.findall(FENCE.sub("", doc.read_text())):
+            if not re.match(r"[a-z]+:", target):  # http:, https:, mailto:
+                links.append((_name(doc), target))
+    return links
+
+
+LINKS = relative_links()
+
+
+def test_the_docs_have_links_to_check():
+    assert ("README.md", "docs/performance.md") in LINKS
+
+
+@pytest.mark.parametrize(("doc", "target"), LINKS, ids=[f"{d}->{t}" for d, t in LINKS])
+def test_every_relative_link_points_to_an_existing_file_and_heading(doc, target):
+    path, _, anchor = target.partition("#")
+    resolved = (REPO / doc).parent / path if path else REPO / doc
+    assert resolved.exists(), f"{doc} links to {target}: {resolved} does not exist"
+    if anchor and resolved.suffix == ".md":
+        assert anchor in anchors(resolved), (
+            f"{doc} links to {target}: no heading of {_name(resolved)} has the anchor #{anchor}"
+        )
