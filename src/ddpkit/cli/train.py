@@ -63,7 +63,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         metavar="N",
         help="local processes (default: one per GPU on CUDA, else 2)",
     )
-    parser.add_argument("--epochs", type=int, default=defaults.epochs, help="passes over the data")
+    parser.add_argument(  # None: the data set's own default (DEFAULT_EPOCHS)
+        "--epochs", type=int, default=None, help="passes over the data (default 1; digits: 20)"
+    )
     parser.add_argument(
         "--batch-size",
         type=int,
@@ -193,7 +195,7 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
     """Build and validate the config; one :class:`ConfigError` lists every problem."""
     problems = []
     for name in ("epochs", "batch_size"):
-        if getattr(args, name) < 1:
+        if getattr(args, name) is not None and getattr(args, name) < 1:  # None: from the data
             problems.append(f"--{name.replace('_', '-')} {getattr(args, name)} must be >= 1")
     if args.nproc is not None and args.nproc < 1:
         problems.append(f"--nproc {args.nproc} must be >= 1")
@@ -220,7 +222,9 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
         problems.append(problem)
     if problems:
         raise ConfigError(f"invalid arguments: {'; '.join(problems)}")
-    return TrainConfig(**{f.name: getattr(args, f.name) for f in fields(TrainConfig)})
+    values = {f.name: getattr(args, f.name) for f in fields(TrainConfig)}
+    values["epochs"] = values["epochs"] or TrainConfig.epochs  # None: set from the data in run()
+    return TrainConfig(**values)
 
 
 def _output_dir_problem(path: Path) -> str | None:
@@ -274,14 +278,24 @@ def _check_resume(config: TrainConfig, source: DataSource, nproc: int) -> None:
         check_compatible(found[0], found[1], nproc, settings)
 
 
+def _fit_to_data(
+    config: TrainConfig, source: DataSource, epochs: int | None
+) -> tuple[TrainConfig, DataSource]:
+    """The data set's epoch count unless ``--epochs`` was given; its note says which (#16)."""
+    epochs, source = source.with_epochs(epochs)
+    return dataclasses.replace(config, epochs=epochs), source
+
+
 def run(args: argparse.Namespace) -> int:
     config = config_from_args(args)
     restarted = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") != "0"
     if restarted and config.checkpoint_every:  # a restart continues from the newest, never redoes
         config = dataclasses.replace(config, resume="auto")
     if args._worker:  # a rank started by the launcher below: the parent already resolved data
-        return _train_here(args, config, resolve_data(args.dataset, args.data_dir, download=False))
+        source = resolve_data(args.dataset, args.data_dir, download=False)
+        return _train_here(args, *_fit_to_data(config, source, args.epochs))
     source = resolve_data(args.dataset, args.data_dir, download=not args.no_download)
+    config, source = _fit_to_data(config, source, args.epochs)
     info = detect_process_info()
     one_process = args.strategy in ("single", "dp")  # their default is --nproc 1
     nproc = (
@@ -306,6 +320,9 @@ def run(args: argparse.Namespace) -> int:
             flush=True,
         )
     spec = LaunchSpec(
-        target=_worker_argv(args, source), nproc=nproc, max_restarts=args.max_restarts
+        target=_worker_argv(args, source),
+        nproc=nproc,
+        max_restarts=args.max_restarts,
+        command="ddpkit train",  # failures are labelled with the command the user ran (#16)
     )
     return launch(spec)

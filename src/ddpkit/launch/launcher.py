@@ -61,6 +61,8 @@ class LaunchSpec:
             of node 0 that every node can reach.
         rdzv_id: the job's name in the rendezvous (the same on every node).
         tls: ``(cert, key, ca)`` PEM files for gloo's TLS transport, or ``None``.
+        command: the command the user ran, which labels every line the launcher prints
+            (``ddpkit train`` launches through here too).
     """
 
     target: list[str]
@@ -72,6 +74,7 @@ class LaunchSpec:
     rdzv_endpoint: str | None = None
     rdzv_id: str = "ddpkit"
     tls: tuple[str, str, str] | None = None
+    command: str = "ddpkit run"
 
     @property
     def world_size(self) -> int:
@@ -221,17 +224,19 @@ def launch(spec: LaunchSpec) -> int:
     except RendezvousError as exc:  # this node's agent could not join (several nodes)
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         print(
-            f"ddpkit run: cannot join the rendezvous at {plan.endpoint_host}:"
+            f"{spec.command}: cannot join the rendezvous at {plan.endpoint_host}:"
             f"{plan.endpoint_port}: {first}. Check that node 0 runs ddpkit run with the same "
             "--rdzv-endpoint and --rdzv-id, and that this node can reach that address.",
             file=sys.stderr,
         )
         return 1
     except SignalException as exc:  # SIGTERM, SIGHUP, ... sent to the launcher
-        print(f"ddpkit run: stopped by {exc.sigval.name}; all workers stopped.", file=sys.stderr)
+        print(
+            f"{spec.command}: stopped by {exc.sigval.name}; all workers stopped.", file=sys.stderr
+        )
         return 128 + int(exc.sigval)
     except KeyboardInterrupt:
-        print("ddpkit run: interrupted; all workers stopped.", file=sys.stderr)
+        print(f"{spec.command}: interrupted; all workers stopped.", file=sys.stderr)
         return 130
     finally:
         os.environ.clear()
@@ -295,7 +300,7 @@ def _stop_if_agent_stuck(run_dir: str, spec: LaunchSpec, poll_s: float = 0.5) ->
         for line in summarize_failure(records, {}, spec)[:-1]:
             print(line, file=sys.stderr)
         print(
-            f"ddpkit run: job FAILED; torchrun's agent did not finish within {AGENT_STUCK_S} s "
+            f"{spec.command}: job FAILED; torchrun's agent did not finish within {AGENT_STUCK_S} s "
             f"of the failure (the rendezvous store at {spec.rdzv_endpoint} does not answer: "
             "node 0 or the network to it is down); this node's processes stopped.",
             file=sys.stderr,

@@ -21,7 +21,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from ddpkit.app.mnist.config import TrainConfig, check_step_options, resume_settings
 from ddpkit.app.mnist.data import DataSource
-from ddpkit.app.mnist.model import MnistCNN, build_optimizer
+from ddpkit.app.mnist.model import build_model, build_optimizer
 from ddpkit.app.mnist.monitor import TrainingMonitor
 from ddpkit.app.mnist.outputs import finite_or_none, reset_outputs
 from ddpkit.checkpoint.manager import CheckpointManager
@@ -44,9 +44,9 @@ FAULT_ENV = "DDPKIT_FAULT_INJECT"
 
 
 def build_model_and_optimizer(
-    config: TrainConfig, runtime: Runtime
+    config: TrainConfig, runtime: Runtime, *, dataset: str = "mnist"
 ) -> tuple[nn.Module, torch.optim.Optimizer, torch.optim.Optimizer, CommStats | None]:
-    """The wrapped MNIST CNN and its optimizer, with the config's wrap-time options.
+    """The wrapped CNN for ``dataset`` and its optimizer, with the config's wrap-time options.
 
     Collective: call on every rank (DDP broadcasts rank 0's parameters).
 
@@ -67,7 +67,7 @@ def build_model_and_optimizer(
     # a hand-written DDP loop); the bytes are then counted per step, not by a Python hook.
     hooked = config.grad_compression != "none" and not local_sgd
     model = wrap_model(
-        MnistCNN(),
+        build_model(dataset),
         runtime,
         config.strategy,
         sync_batchnorm=config.sync_batchnorm,
@@ -155,7 +155,9 @@ def train_mnist(config: TrainConfig, runtime: Runtime, source: DataSource) -> di
     check_step_options(config)
     torch.manual_seed(config.seed)
     train_set, test_set = source.load("train"), source.load("test")
-    model, optimizer, inner_optimizer, comm_stats = build_model_and_optimizer(config, runtime)
+    model, optimizer, inner_optimizer, comm_stats = build_model_and_optimizer(
+        config, runtime, dataset=source.dataset
+    )
     train_loader = build_train_loader(
         train_set,
         runtime,
