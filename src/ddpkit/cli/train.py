@@ -35,7 +35,7 @@ from ddpkit.cli.train_options import (
 from ddpkit.distributed.env import detect_process_info
 from ddpkit.distributed.process_group import BACKENDS
 from ddpkit.errors import ConfigError
-from ddpkit.files import unwritable_ancestor
+from ddpkit.files import make_output_folder, unwritable_ancestor
 from ddpkit.launch.launcher import LaunchSpec, launch
 
 WORKER_FLAG = "--_worker"
@@ -305,7 +305,7 @@ def run(args: argparse.Namespace) -> int:
     )
     check_strategy(config, nproc)
     _check_resume(config, source, nproc)
-    Path(config.output_dir).mkdir(parents=True, exist_ok=True)
+    make_output_folder(config.output_dir)  # a one-line error where mkdir fails (#16)
     if info.is_distributed:  # torchrun -m ddpkit train, or srun -n 2
         return _train_here(args, config, source)
     if nproc == 1 and not args.max_restarts:  # restarts are torchrun's: those go through it
