@@ -49,3 +49,30 @@ def test_offline_fallback_says_model_and_epochs_in_its_one_line(tmp_path):
     (note,) = [line for line in result.stdout.splitlines() if "MNIST unavailable" in line]
     assert "2 epochs" in note and "20 epochs" not in note, note
     assert json.loads((tmp_path / "b" / "summary.json").read_text())["epochs"] == 2
+
+
+UNFINISHED_LINE = """
+import os, sys, time
+from pathlib import Path
+
+rank = int(os.environ["RANK"])
+if rank == 0:
+    os.write(2, b"rank 0 all-reduced")  # no newline, and the process ends
+    sys.exit(0)
+# rank 1 waits until rank 0's relay has finished (it writes the tail file last), then writes
+tail = Path(os.environ["DDPKIT_RUN_DIR"]) / "stderr-r0-rank0.txt"
+deadline = time.monotonic() + 60
+while not tail.exists() and time.monotonic() < deadline:
+    time.sleep(0.02)
+os.write(2, b"[rank 1/2] Traceback\\n")
+"""
+
+
+def test_relayed_lines_never_join_even_without_a_final_newline(tmp_path):
+    # the README says two ranks' lines never mix; a rank's last line without "\\n" did
+    script = tmp_path / "unfinished.py"
+    script.write_text(UNFINISHED_LINE)
+    result = run_cli(["-m", "ddpkit", "run", "-n", "2", str(script)], timeout_s=120)
+    assert result.returncode == 0, result.output
+    lines = result.stderr.splitlines()
+    assert "rank 0 all-reduced" in lines and "[rank 1/2] Traceback" in lines, result.stderr
