@@ -76,3 +76,58 @@ def test_relayed_lines_never_join_even_without_a_final_newline(tmp_path):
     assert result.returncode == 0, result.output
     lines = result.stderr.splitlines()
     assert "rank 0 all-reduced" in lines and "[rank 1/2] Traceback" in lines, result.stderr
+
+
+def _wait_for_step(path, step: int, proc, timeout_s: float = 120) -> None:
+    """Poll ``steps.jsonl`` until a record of ``step`` or later is there (the job is running)."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        assert proc.poll() is None, "the job ended before the interrupt"
+        lines = path.read_text().splitlines() if path.exists() else []
+        if any(json.loads(line)["step"] >= step for line in lines if line.endswith("}")):
+            return
+        time.sleep(0.05)
+    pytest.fail(f"no step {step} record in {path} within {timeout_s} s")
+
+
+def test_ctrl_c_is_one_line_naming_the_step_the_checkpoint_and_the_resume(tmp_path):
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    from tests.helpers import descendants, pid_alive
+
+    pytest.importorskip("sklearn")
+    out = tmp_path / "run"
+    argv = [*DIGITS_2_RANKS, "--epochs", "50", "--checkpoint-every", "2", "--log-every", "1"]
+    with open(tmp_path / "stdout", "w+") as stdout, open(tmp_path / "stderr", "w+") as stderr:
+        proc = subprocess.Popen(
+            [sys.executable, *argv, "--output-dir", str(out)],
+            stdout=stdout,
+            stderr=stderr,
+            env={**os.environ, "PYTHONUNBUFFERED": "1"},
+            start_new_session=True,  # its own process group, as a terminal's foreground job
+        )
+        try:
+            _wait_for_step(out / "steps.jsonl", 3, proc)  # step 2's checkpoint is complete
+            started = descendants(proc.pid)
+            os.killpg(proc.pid, signal.SIGINT)  # what Ctrl-C in a terminal sends
+            code = proc.wait(timeout=60)
+        finally:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+        stdout.seek(0)
+        stderr.seek(0)
+        output, errors = stdout.read(), stderr.read()
+    assert code == 130, output + errors
+    assert "Traceback" not in output + errors, errors
+    lines = errors.strip().splitlines()
+    assert len(lines) == 1, errors
+    (line,) = lines
+    assert line.startswith("ddpkit train: interrupted (Ctrl-C) after step "), line
+    assert "checkpoint step-0000000" in line and line.endswith(
+        f"--output-dir {out} --resume auto"
+    ), line
+    assert not [pid for pid in started if pid_alive(pid)], "processes outlived the job"

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import math
 import os
 import sys
@@ -21,6 +22,7 @@ from ddpkit.app.mnist.config import TrainConfig, resume_settings
 from ddpkit.app.mnist.data import DATASETS, DataSource, resolve_data
 from ddpkit.app.mnist.job import train_mnist
 from ddpkit.app.mnist.model import OPTIMIZERS
+from ddpkit.app.mnist.resume import interrupted_note
 from ddpkit.checkpoint.io import read_manifest
 from ddpkit.checkpoint.manager import check_compatible, newest_manifest
 from ddpkit.cli.train_options import (
@@ -324,5 +326,6 @@ def run(args: argparse.Namespace) -> int:
         nproc=nproc,
         max_restarts=args.max_restarts,
         command="ddpkit train",  # failures are labelled with the command the user ran (#16)
+        on_interrupt=functools.partial(interrupted_note, config.output_dir, args.argv),  # (#16)
     )
     return launch(spec)

@@ -274,6 +274,9 @@ def train_mnist(config: TrainConfig, runtime: Runtime, source: DataSource) -> di
                 record["samples_per_s"],
             )  # fmt: skip
             monitor.end_epoch(record, step)
+    except KeyboardInterrupt:  # Ctrl-C: the launcher's one line names where it stopped (#16)
+        epoch = step // max(steps_per_epoch, 1) + 1
+        raise KeyboardInterrupt(f"after step {step} (epoch {epoch}/{config.epochs})") from None
     finally:
         monitor.close()
     if test is None:  # resumed from a checkpoint taken at the very end: evaluate it
