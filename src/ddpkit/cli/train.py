@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 
 from ddpkit.app.mnist.config import TrainConfig, resume_settings
-from ddpkit.app.mnist.data import DATASETS, DataSource, resolve_data
+from ddpkit.app.mnist.data import DATASETS, RANK_MEMORY_MIB, DataSource, resolve_data
 from ddpkit.app.mnist.job import train_mnist
 from ddpkit.app.mnist.model import OPTIMIZERS
 from ddpkit.app.mnist.resume import interrupted_note
@@ -327,5 +327,7 @@ def run(args: argparse.Namespace) -> int:
         max_restarts=args.max_restarts,
         command="ddpkit train",  # failures are labelled with the command the user ran (#16)
         on_interrupt=functools.partial(interrupted_note, config.output_dir, args.argv),  # (#16)
+        mem_per_rank_mib=RANK_MEMORY_MIB[source.dataset],  # --nproc that cannot fit: refused
+        mem_per_rank_what=f"a ddpkit train rank on {source.dataset}",
     )
     return launch(spec)

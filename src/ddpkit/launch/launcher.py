@@ -38,6 +38,7 @@ from ddpkit.launch.network import (
     plan_network,
     tls_environment,
 )
+from ddpkit.launch.resources import BARE_RANK_MIB, check_fits, usable_cores
 from ddpkit.launch.stderr_tail import read_tail, tail_path
 from ddpkit.launch.summary import summarize_failure
 from ddpkit.security.bind import MULTI_NODE_ENV
@@ -68,6 +69,9 @@ class LaunchSpec:
             (``ddpkit train`` launches through here too).
         on_interrupt: after Ctrl-C, once every worker has stopped: text to end the one line
             with (``ddpkit train``: the checkpoint saved and the command that resumes it).
+        mem_per_rank_mib, mem_per_rank_what: the measured peak memory of one rank and what it
+            was measured on; ``nproc`` ranks that cannot fit in the available memory are
+            refused before any starts (:func:`ddpkit.launch.resources.check_fits`).
     """
 
     target: list[str]
@@ -81,17 +85,12 @@ class LaunchSpec:
     tls: tuple[str, str, str] | None = None
     command: str = "ddpkit run"
     on_interrupt: Callable[[], str] | None = None
+    mem_per_rank_mib: float = BARE_RANK_MIB
+    mem_per_rank_what: str = "a bare torch + gloo rank"
 
     @property
     def world_size(self) -> int:
         return self.nproc * self.nnodes
-
-
-def _usable_cores() -> int:
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:  # not on Linux
-        return os.cpu_count() or 1
 
 
 def _find_module(name: str) -> object | None:
@@ -186,12 +185,18 @@ def launch(spec: LaunchSpec) -> int:
         (Ctrl-C: 130, after one line saying where the job stopped).
 
     Raises:
-        ConfigError: an invalid :class:`LaunchSpec`; a bad job token setting or a world size
-            above ``DDPKIT_MAX_WORLD_SIZE``; an address this node cannot use.
+        ConfigError: an invalid :class:`LaunchSpec`; more ranks than fit in the available
+            memory; a bad job token setting or a world size above ``DDPKIT_MAX_WORLD_SIZE``;
+            an address this node cannot use.
         DistributedError: this node cannot connect to its own address (the loopback
             interface is down).
     """
     validate_spec(spec)
+    warning = check_fits(
+        spec.nproc, mem_per_rank_mib=spec.mem_per_rank_mib, what=spec.mem_per_rank_what
+    )
+    if warning:  # more processes than cores: allowed (tests do it), said once
+        print(f"{spec.command}: {warning}", file=sys.stderr, flush=True)
     from torch.distributed import run as torchrun
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
@@ -325,7 +330,7 @@ def _worker_environment(spec: LaunchSpec, plan: NetworkPlan, run_dir: str) -> di
         RUN_DIR_ENV: run_dir,
         LAUNCHER_PID_ENV: str(os.getpid()),
         "OMP_NUM_THREADS": os.environ.get(
-            "OMP_NUM_THREADS", str(max(1, _usable_cores() // spec.nproc))
+            "OMP_NUM_THREADS", str(max(1, usable_cores() // spec.nproc))
         ),
     }
     if spec.omp_num_threads is not None:
