@@ -87,3 +87,41 @@ def test_memory_check_names_the_largest_count_that_fits():
     assert check_fits(2, mem_per_rank_mib=730, available_bytes=24 * gib, cores=2) is None
     with pytest.raises(ConfigError, match="at most 0 fit: free memory first"):
         check_fits(1, mem_per_rank_mib=730, available_bytes=gib // 2, cores=2)
+
+
+ONE_EPOCH = [
+    {"epoch": 1, "step": 469, "train_loss": 0.21, "test_loss": 0.05, "test_accuracy": 0.9884,
+     "samples_per_s": 1510.0, "data_s_per_step": 0.001, "forward_s_per_step": 0.01}
+]  # fmt: skip
+STEPS = [
+    {"step": s, "epoch": 1, "loss": 2.3 / s**0.5, "samples_per_s": 1500.0 + s, "lr": 0.001}
+    for s in range(50, 469, 50)
+]
+
+
+def _drawn(name: str, epochs: list[dict], steps: list[dict]):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    from matplotlib import pyplot as plt
+
+    from ddpkit.cli.plot import draw_plot
+
+    fig, ax = plt.subplots()
+    draw_plot(ax, name, epochs, steps)
+    lines = [line.get_xdata() for line in ax.lines]
+    texts = [text.get_text() for text in ax.texts]
+    xlim = ax.get_xlim()
+    plt.close(fig)
+    return lines, texts, xlim
+
+
+def test_plot_of_one_epoch_draws_the_steps_and_labels_lone_points():
+    for name in ("loss.png", "throughput.png"):
+        lines, texts, xlim = _drawn(name, ONE_EPOCH, STEPS)
+        assert max(len(x) for x in lines) == len(STEPS), name  # a curve over the step records
+        assert xlim[0] == 0, name  # the epoch axis starts where training did
+    lines, texts, _ = _drawn("accuracy.png", ONE_EPOCH, STEPS)
+    assert "0.9884" in texts  # one value: written, not a bare dot
+    _, texts, _ = _drawn("loss.png", ONE_EPOCH, [])
+    assert "0.2100" in texts and "0.0500" in texts
