@@ -8,6 +8,8 @@ import json
 import os
 from pathlib import Path
 
+from ddpkit.errors import ConfigError
+
 
 def write_text_atomic(path: Path, text: str) -> None:
     """Write ``text`` to ``path`` through a temporary file in the same folder and a rename, so a
@@ -54,3 +56,28 @@ def unwritable_ancestor(folder: Path) -> tuple[Path, str] | None:
     if not os.access(probe, os.W_OK | os.X_OK):
         return probe, "not writable"
     return None
+
+
+def make_output_folder(folder: str | os.PathLike[str], flag: str = "--output-dir") -> Path:
+    """Create ``folder`` (and its parents) for outputs; returns it.
+
+    Catches what :func:`unwritable_ancestor` cannot see in advance (``/proc``, a read-only
+    mount, a full disk: root passes ``os.access`` there, the ``mkdir`` still fails).
+
+    Raises:
+        ConfigError: the folder cannot be created; names ``flag`` and the OS's reason.
+
+    Example:
+        >>> make_output_folder("/proc/x")
+        Traceback (most recent call last):
+        ddpkit.errors.ConfigError: cannot create the output folder: --output-dir /proc/x ...
+    """
+    path = Path(folder)
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise ConfigError(
+            f"cannot create the output folder: {flag} {path} ({exc.strerror}: {exc.filename}). "
+            f"Pass {flag} a folder you can create and write."
+        ) from None
+    return path

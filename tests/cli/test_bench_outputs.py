@@ -88,7 +88,7 @@ def test_ctrl_c_stops_every_rank_with_one_line_exit_130(tmp_path):
             proc.communicate()
     assert proc.returncode == 130, err
     assert err.strip().splitlines()[-1] == (
-        "ddpkit bench: interrupted; every process it started is stopped."
+        "ddpkit bench: interrupted (Ctrl-C); every process it started is stopped."
     ), err
     assert "Traceback" not in err.splitlines()[-1]
     deadline = time.monotonic() + 10  # the command has exited: its children are already dead

@@ -8,7 +8,7 @@ import json
 import pytest
 import torch
 
-from ddpkit.app.mnist.model import MnistCNN
+from ddpkit.app.mnist.model import DigitsCNN
 from ddpkit.cli import main
 from tests.helpers import run_cli, run_main
 
@@ -95,7 +95,7 @@ def test_local_sgd_job_reports_averaging_bytes_per_step(tmp_path):
     )  # fmt: skip
     assert result.returncode == 0, result.output
     assert "local SGD averaging every 4 steps" in result.stdout
-    param_bytes = sum(p.numel() * p.element_size() for p in MnistCNN().parameters())
+    param_bytes = sum(p.numel() * p.element_size() for p in DigitsCNN().parameters())
     summary = json.loads((out / "summary.json").read_text())
     assert summary["final_step"] == 8
     assert summary["comm_bytes_per_step"] == 2 * param_bytes / 8

@@ -193,7 +193,7 @@ def test_progress_bar_on_a_terminal_from_rank_0_only(tmp_path):
 
 def test_progress_on_when_piped_and_off_on_a_terminal(tmp_path):
     pytest.importorskip("sklearn")
-    common = [*DIGITS_2_RANKS, "--max-steps", "3"]
+    common = [*DIGITS_2_RANKS, "--epochs", "1", "--max-steps", "3"]
     piped = run_cli([*common, "--progress", "on", "--output-dir", str(tmp_path / "p")], 180)
     assert piped.returncode == 0, piped.output
     assert BAR.search(piped.stderr) and len(re.findall(r"epoch 1/1:\s+0%\|", piped.stderr)) == 1

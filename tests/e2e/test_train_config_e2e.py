@@ -28,7 +28,7 @@ def test_ranks_get_the_resolved_config_and_match_plain_torchrun(tmp_path):
     pytest.importorskip("sklearn")
     config = tmp_path / "run.toml"
     config.write_text(FILE)
-    common = ["--dataset", "digits", "--progress", "off", "--log-every", "0"]
+    common = ["--dataset", "digits", "--epochs", "1", "--progress", "off", "--log-every", "0"]
     launched = tmp_path / "launched"
     result = run_cli(
         ["-m", "ddpkit", "train", "--nproc", "2", "--config", str(config), *common,

@@ -23,7 +23,7 @@ def _train_digits(*flags: str, env: dict | None = None, timeout_s: float = 180):
 
 
 def _summary_lines(result) -> list[str]:
-    return [line for line in result.stderr.splitlines() if line.startswith("ddpkit run:")]
+    return [line for line in result.stderr.splitlines() if line.startswith("ddpkit train:")]
 
 
 def test_train_mnist_two_processes(mnist_dir, tmp_path):

@@ -13,6 +13,7 @@ from pathlib import Path
 
 from ddpkit.errors import ConfigError
 from ddpkit.files import json_text, unwritable_ancestor, write_text_atomic
+from ddpkit.launch.resources import available_memory_bytes  # noqa: F401 (re-exported)
 
 
 def median(values: Sequence[float]) -> float:
@@ -37,18 +38,6 @@ def machine() -> dict:
         "cuda_devices": torch.cuda.device_count() if torch.cuda.is_available() else 0,
         "platform": platform.platform(),
     }
-
-
-def available_memory_bytes() -> int | None:
-    """``MemAvailable`` of ``/proc/meminfo`` in bytes (``None`` where there is no such file)."""
-    try:
-        with open("/proc/meminfo") as handle:
-            for line in handle:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024  # the file counts in KiB
-    except OSError:
-        return None
-    return None
 
 
 def machine_line(info: dict | None = None) -> str:

@@ -70,9 +70,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             raise
         print(f"ddpkit {args.command}: error: {exc}", file=sys.stderr)
         return 2 if isinstance(exc, (ConfigError, DataError)) else 1
-    except KeyboardInterrupt:  # Ctrl-C: the harness/launcher has stopped the ranks on the way
+    except KeyboardInterrupt as exc:  # Ctrl-C: the harness/launcher has stopped the ranks
         if getattr(args, "_worker", False):
             raise
-        print(f"ddpkit {args.command}: interrupted; every process it started is stopped.",
-              file=sys.stderr)  # fmt: skip
+        where = f" {exc}" if str(exc) else ""  # ddpkit train: "after step 37 (epoch 1)"
+        print(f"ddpkit {args.command}: interrupted (Ctrl-C){where}; every process it started "
+              "is stopped.", file=sys.stderr)  # fmt: skip
         return 130

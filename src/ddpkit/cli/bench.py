@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import re
 
 BENCHMARKS = {
     "allreduce": "all-reduce time, algbw and busbw per message size (nccl-tests convention)",
@@ -25,6 +26,22 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     )
     for name, summary in BENCHMARKS.items():
         module = importlib.import_module(f"ddpkit.bench.{name}")
-        sub = benches.add_parser(name, help=summary, description=module.__doc__)
+        sub = benches.add_parser(
+            name,
+            help=summary,
+            description=plain_text(module.__doc__ or ""),
+            formatter_class=argparse.RawDescriptionHelpFormatter,  # keep the example lines
+        )
         module.add_arguments(sub)
         sub.set_defaults(handler=module.run)
+
+
+def plain_text(docstring: str) -> str:
+    """A module docstring as ``--help`` text: reST markup removed, line breaks kept.
+
+    Example:
+        >>> plain_text("``ddpkit bench``: see :mod:`ddpkit.bench.steploop`.")
+        'ddpkit bench: see ddpkit.bench.steploop.'
+    """
+    text = re.sub(r":[a-z]+:`~?([^`]+)`", r"\1", docstring)  # :mod:`x.y` -> x.y
+    return text.replace("``", "").strip()

@@ -101,33 +101,10 @@ def write_plots(epochs: list[dict], steps: list[dict], out_dir: Path) -> list[Pa
     from matplotlib import pyplot as plt
 
     out_dir.mkdir(parents=True, exist_ok=True)
-    x = _values(epochs, "epoch")
-    steps_per_epoch = _steps_per_epoch(epochs)
-    step_x = [s["step"] / steps_per_epoch for s in steps] if steps_per_epoch else []
     paths = []
     for name in PLOTS:
         fig, ax = plt.subplots(figsize=(7, 4.5), dpi=100)
-        if name == "loss.png":
-            if step_x:
-                ax.plot(
-                    step_x, _values(steps, "loss"), alpha=0.5, label="train loss (logged steps)"
-                )
-            ax.plot(x, _values(epochs, "train_loss"), "o-", label="train loss (epoch mean)")
-            ax.plot(x, _values(epochs, "test_loss"), "s-", label="test loss")
-            ax.set_ylabel("cross-entropy loss")
-        elif name == "accuracy.png":
-            ax.plot(x, _values(epochs, "test_accuracy"), "o-", label="test accuracy")
-            ax.set_ylabel("accuracy (0..1)")
-        elif name == "throughput.png":
-            if step_x:
-                ax.plot(step_x, _values(steps, "samples_per_s"), alpha=0.5, label="logged steps")
-            ax.plot(x, _values(epochs, "samples_per_s"), "o-", label="epoch")
-            ax.set_ylabel("global samples/s")
-        else:
-            _stacked_phases(ax, epochs, x)
-        ax.set_xlabel("epoch")
-        ax.grid(alpha=0.3)
-        ax.legend()
+        draw_plot(ax, name, epochs, steps)
         fig.tight_layout()
         path = out_dir / name
         try:
@@ -141,6 +118,49 @@ def write_plots(epochs: list[dict], steps: list[dict], out_dir: Path) -> list[Pa
             plt.close(fig)
         paths.append(path)
     return paths
+
+
+def draw_plot(ax, name: str, epochs: list[dict], steps: list[dict]) -> None:
+    """Draw plot ``name`` (one of :data:`PLOTS`) onto the matplotlib axes ``ax``.
+
+    x is in epochs from 0; step records (``steps.jsonl``) give the curves within an epoch, so a
+    1-epoch run shows its loss and throughput over its steps, not one dot. A value that has a
+    single point (an epoch-level figure of a 1-epoch run) is written next to its marker.
+    """
+    x = _values(epochs, "epoch")
+    steps_per_epoch = _steps_per_epoch(epochs)
+    step_x = [s["step"] / steps_per_epoch for s in steps] if steps_per_epoch else []
+    if name == "loss.png":
+        if step_x:
+            ax.plot(step_x, _values(steps, "loss"), alpha=0.5, label="train loss (logged steps)")
+        _epoch_series(ax, x, _values(epochs, "train_loss"), "o-", "train loss (epoch mean)")
+        _epoch_series(ax, x, _values(epochs, "test_loss"), "s-", "test loss")
+        ax.set_ylabel("cross-entropy loss")
+    elif name == "accuracy.png":
+        _epoch_series(ax, x, _values(epochs, "test_accuracy"), "o-", "test accuracy")
+        ax.set_ylabel("accuracy (0..1)")
+    elif name == "throughput.png":
+        if step_x:
+            ax.plot(step_x, _values(steps, "samples_per_s"), alpha=0.5, label="logged steps")
+        _epoch_series(ax, x, _values(epochs, "samples_per_s"), "o-", "epoch", ".0f")
+        ax.set_ylabel("global samples/s")
+    else:
+        _stacked_phases(ax, epochs, x)
+    if name != "step_time.png":
+        ax.set_xlim(0, max(x) * 1.05 if x else 1)  # from the start of training
+    if len(epochs) == 1 and not step_x:
+        ax.set_title("one epoch and no step records: --log-every N below its steps draws curves")
+    ax.set_xlabel("epoch")
+    ax.grid(alpha=0.3)
+    ax.legend()
+
+
+def _epoch_series(ax, x: list[float], y: list[float], style: str, label: str, fmt=".4f") -> None:
+    """One value per epoch; a lone point gets its value written beside it."""
+    ax.plot(x, y, style, label=label)
+    if len(x) == 1 and y[0] == y[0]:
+        ax.annotate(format(y[0], fmt), (x[0], y[0]), xytext=(-8, 6), textcoords="offset points",
+                    ha="right")  # fmt: skip
 
 
 def _steps_per_epoch(epochs: list[dict]) -> float:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import os
 import sys
 import tempfile
@@ -18,12 +19,14 @@ from pathlib import Path
 import torch
 
 from ddpkit.app.mnist.config import SECTIONS, TrainConfig, check, resume_settings
-from ddpkit.app.mnist.data import DataSource, resolve_data
+from ddpkit.app.mnist.data import RANK_MEMORY_MIB, DataSource, resolve_data
 from ddpkit.app.mnist.job import train_mnist
+from ddpkit.app.mnist.resume import interrupted_note
 from ddpkit.checkpoint.io import read_manifest
 from ddpkit.checkpoint.manager import check_compatible, newest_manifest
 from ddpkit.cli.flags import add_settings_arguments, given_settings
 from ddpkit.distributed.env import detect_process_info
+from ddpkit.files import make_output_folder
 from ddpkit.launch.launcher import LaunchSpec, launch
 from ddpkit.settings import read_toml, to_toml
 
@@ -60,17 +63,32 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser.set_defaults(handler=run)
 
 
-def resolve_config(args: argparse.Namespace) -> TrainConfig:
+def resolve_config(args: argparse.Namespace) -> tuple[TrainConfig, set[str]]:
     """The defaults, overridden by the ``--config`` file, overridden by the flags given; a
-    worker takes the file its parent resolved. Not yet checked (see :func:`check`)."""
+    worker takes the file its parent resolved. Not yet checked (see :func:`check`).
+
+    Returns:
+        ``(config, names)``: ``names`` are the settings the user set (file or flag); a worker's
+        are all set.
+    """
     if args._worker:
-        return TrainConfig(**read_toml(args._worker, SECTIONS))
+        values = read_toml(args._worker, SECTIONS)
+        return TrainConfig(**values), set(values)
     from_file = read_toml(args.config, SECTIONS) if args.config else {}
-    return TrainConfig(**{**from_file, **given_settings(args, SECTIONS)})
+    values = {**from_file, **given_settings(args, SECTIONS)}
+    return TrainConfig(**values), set(values)
+
+
+def _fit_to_data(
+    config: TrainConfig, source: DataSource, given: set[str]
+) -> tuple[TrainConfig, DataSource]:
+    """The data set's epoch count unless the user set ``epochs``; the note says which (#16)."""
+    epochs, source = source.with_epochs(config.epochs if "epochs" in given else None)
+    return dataclasses.replace(config, epochs=epochs), source
 
 
 def run(args: argparse.Namespace) -> int:
-    config = resolve_config(args)
+    config, given = resolve_config(args)
     restarted = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") != "0"
     if restarted and config.checkpoint_every:  # a restart continues from the newest, never redoes
         config = dataclasses.replace(config, resume="auto")
@@ -91,16 +109,17 @@ def run(args: argparse.Namespace) -> int:
 
         check_dp_possible(1)  # the CUDA devices: known here, before any worker starts
     source = resolve_data(config.dataset, config.data_dir, download=config.download)
+    config, source = _fit_to_data(config, source, given)
     _check_resume(config, source, nproc)
-    Path(config.output_dir).mkdir(parents=True, exist_ok=True)
+    make_output_folder(config.output_dir)  # a one-line error where mkdir fails (#16)
     if info.is_distributed:  # torchrun -m ddpkit train, or srun -n 2
         return _train_here(config, source, worker=False)
     if nproc == 1 and not config.max_restarts:  # restarts are torchrun's: those go through it
         return _train_here(config, source, worker=False)
-    return _launch(config, source, nproc)
+    return _launch(config, source, nproc, argv=args.argv)
 
 
-def _launch(config: TrainConfig, source: DataSource, nproc: int) -> int:
+def _launch(config: TrainConfig, source: DataSource, nproc: int, *, argv: list[str]) -> int:
     """Start ``nproc`` ranks that each read the settings resolved here (data source included)."""
     if source.note:
         print(source.note, flush=True)
@@ -119,7 +138,16 @@ def _launch(config: TrainConfig, source: DataSource, nproc: int) -> int:
         path = Path(folder) / "config.toml"
         path.write_text(to_toml(resolved, SECTIONS))
         target = ["-m", "ddpkit", "train", WORKER_FLAG, str(path)]
-        return launch(LaunchSpec(target=target, nproc=nproc, max_restarts=config.max_restarts))
+        spec = LaunchSpec(
+            target=target,
+            nproc=nproc,
+            max_restarts=config.max_restarts,
+            command="ddpkit train",  # failures are labelled with the command the user ran (#16)
+            on_interrupt=functools.partial(interrupted_note, config.output_dir, argv),
+            mem_per_rank_mib=RANK_MEMORY_MIB[source.dataset],  # --nproc that cannot fit: refused
+            mem_per_rank_what=f"a ddpkit train rank on {source.dataset}",
+        )
+        return launch(spec)
 
 
 def _train_here(config: TrainConfig, source: DataSource, *, worker: bool) -> int:

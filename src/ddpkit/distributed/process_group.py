@@ -33,6 +33,7 @@ if dist.is_available():
 from ddpkit.diagnostics.failures import record_failure, stamp_failure_time
 from ddpkit.distributed.env import ProcessInfo, detect_process_info
 from ddpkit.distributed.rendezvous import (
+    check_local_route,
     check_world_size_limit,
     connect_store,
     join,
@@ -319,7 +320,8 @@ def init_runtime(
             single-node job; a world size above ``DDPKIT_MAX_WORLD_SIZE``; a bad job token
             setting (:func:`ddpkit.security.token.load_token`).
         DistributedError: a process group already exists (call this once per process); the
-            store at ``MASTER_ADDR:MASTER_PORT`` is unreachable; two processes claim one rank;
+            loopback interface is down (:func:`~ddpkit.distributed.rendezvous.check_local_route`);
+            the store at ``MASTER_ADDR:MASTER_PORT`` is unreachable; two processes claim one rank;
             not every rank joined within ``init_timeout_s`` (the message lists the missing ones);
             this process's world size or job token does not match the job's.
 
@@ -389,6 +391,7 @@ def _rendezvous(
     if chosen == "nccl":
         torch.cuda.set_device(device)
     if store is None:
+        check_local_route(os.environ["MASTER_ADDR"])  # lo down: say so now, not after the timeout
         agent_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
         store = (_attempt_store if agent_store else make_store)(info, init_timeout_s)
     join(store, info, init_timeout_s, token)

@@ -17,6 +17,7 @@ already in use.
 from __future__ import annotations
 
 import datetime
+import errno
 import json
 import os
 import secrets
@@ -52,6 +53,58 @@ def format_ranks(ranks: list[int]) -> str:
             )
         start = prev = rank
     return ", ".join(parts)
+
+
+def check_local_route(host: str, timeout_s: float = 5.0) -> None:
+    """Fail at once when this machine cannot connect to ``host``, one of its own addresses.
+
+    A fresh network namespace (``unshare -n``, some containers) starts with the loopback
+    interface down: 127.0.0.1 can still be bound, but nothing reaches it ("Network is
+    unreachable"), and neither does anything sent to the machine's other own addresses (Linux
+    delivers those through ``lo`` too). torch's TCPStore then retries for the whole init timeout
+    and gloo reports "Unable to find interface for: [127.0.0.1]". One listen and one connect on
+    ``host`` (well under a millisecond) find it first. An address that is not this machine's
+    (rank 0's store elsewhere) or a name that does not resolve is left to the store to report.
+
+    Not a collective; a no-op when ``host`` is fine.
+
+    Raises:
+        DistributedError: a connection to ``host`` on this machine fails; says how to fix it.
+
+    Example:
+        >>> check_local_route("127.0.0.1")  # passes silently where lo is up
+    """
+    try:
+        address = socket.getaddrinfo(host, None, socket.AF_INET, socket.SOCK_STREAM)[0][4][0]
+    except (socket.gaierror, IndexError, UnicodeError):
+        return
+    with socket.socket() as listener, socket.socket() as client:
+        try:
+            listener.bind((address, 0))
+            listener.listen(1)
+        except OSError:  # not an address of this machine: its store is checked where it runs
+            return
+        client.settimeout(timeout_s)
+        try:
+            client.connect(listener.getsockname())
+        except OSError as exc:
+            raise _route_error(host, address, exc) from None
+
+
+def _route_error(host: str, address: str, exc: OSError) -> DistributedError:
+    named = address if host == address else f"{host} ({address})"
+    why = exc.strerror or type(exc).__name__
+    if exc.errno in (errno.ENETUNREACH, errno.EADDRNOTAVAIL):
+        return DistributedError(
+            f"the loopback interface is down: this machine cannot connect to its own address "
+            f"{named} ({why}). Bring it up with `ip link set lo up` (a new network namespace or "
+            "container starts with it down), then start the job again."
+        )
+    return DistributedError(
+        f"this machine cannot connect to its own address {named} ({why}): a firewall rule or "
+        "the network setup blocks local connections, which every rank of the job needs. Allow "
+        "TCP on that address (check `ip link show lo` and the firewall), then start again."
+    )
 
 
 def make_store(info: ProcessInfo, timeout_s: float) -> dist.TCPStore:

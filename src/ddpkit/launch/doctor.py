@@ -77,8 +77,14 @@ def _loopback_rank(runtime) -> float:
 
 def check_loopback_allreduce() -> Check:
     """Two spawned gloo processes all-reduce over loopback (rendezvous through a FileStore)."""
+    from ddpkit.distributed.rendezvous import check_local_route
+    from ddpkit.errors import DistributedError
     from ddpkit.launch.spawn import DistributedTestError, run_distributed
 
+    try:
+        check_local_route("127.0.0.1")  # lo down: the fix, not gloo's "Unable to find interface"
+    except DistributedError as exc:
+        return Check("loopback_allreduce", False, str(exc))
     try:
         results = run_distributed(_loopback_rank, 2, timeout_s=60, pg_timeout_s=30)
     except DistributedTestError as exc:

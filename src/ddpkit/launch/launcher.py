@@ -15,19 +15,22 @@ What ddpkit adds over calling torchrun yourself:
 from __future__ import annotations
 
 import dataclasses
+import logging
 import os
 import shutil
+import signal
 import sys
 import tempfile
 import threading
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 from ddpkit.diagnostics.failures import LAUNCHER_PID_ENV, RUN_DIR_ENV, read_records
 from ddpkit.distributed.env import ProcessInfo
-from ddpkit.distributed.rendezvous import check_world_size_limit
+from ddpkit.distributed.rendezvous import check_local_route, check_world_size_limit
 from ddpkit.errors import ConfigError
 from ddpkit.launch.network import (
     NetworkPlan,
@@ -35,6 +38,7 @@ from ddpkit.launch.network import (
     plan_network,
     tls_environment,
 )
+from ddpkit.launch.resources import BARE_RANK_MIB, check_fits, usable_cores
 from ddpkit.launch.stderr_tail import read_tail, tail_path
 from ddpkit.launch.summary import summarize_failure
 from ddpkit.security.bind import MULTI_NODE_ENV
@@ -61,6 +65,13 @@ class LaunchSpec:
             of node 0 that every node can reach.
         rdzv_id: the job's name in the rendezvous (the same on every node).
         tls: ``(cert, key, ca)`` PEM files for gloo's TLS transport, or ``None``.
+        command: the command the user ran, which labels every line the launcher prints
+            (``ddpkit train`` launches through here too).
+        on_interrupt: after Ctrl-C, once every worker has stopped: text to end the one line
+            with (``ddpkit train``: the checkpoint saved and the command that resumes it).
+        mem_per_rank_mib, mem_per_rank_what: the measured peak memory of one rank and what it
+            was measured on; ``nproc`` ranks that cannot fit in the available memory are
+            refused before any starts (:func:`ddpkit.launch.resources.check_fits`).
     """
 
     target: list[str]
@@ -72,17 +83,14 @@ class LaunchSpec:
     rdzv_endpoint: str | None = None
     rdzv_id: str = "ddpkit"
     tls: tuple[str, str, str] | None = None
+    command: str = "ddpkit run"
+    on_interrupt: Callable[[], str] | None = None
+    mem_per_rank_mib: float = BARE_RANK_MIB
+    mem_per_rank_what: str = "a bare torch + gloo rank"
 
     @property
     def world_size(self) -> int:
         return self.nproc * self.nnodes
-
-
-def _usable_cores() -> int:
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:  # not on Linux
-        return os.cpu_count() or 1
 
 
 def _find_module(name: str) -> object | None:
@@ -173,13 +181,22 @@ def launch(spec: LaunchSpec) -> int:
 
     Returns:
         0 when every worker exited 0; 1 when one failed (after the summary is printed to
-        stderr); 128 + the signal number when the launcher itself was stopped by a signal.
+        stderr); 128 + the signal number when the launcher itself was stopped by a signal
+        (Ctrl-C: 130, after one line saying where the job stopped).
 
     Raises:
-        ConfigError: an invalid :class:`LaunchSpec`; a bad job token setting or a world size
-            above ``DDPKIT_MAX_WORLD_SIZE``; an address this node cannot use.
+        ConfigError: an invalid :class:`LaunchSpec`; more ranks than fit in the available
+            memory; a bad job token setting or a world size above ``DDPKIT_MAX_WORLD_SIZE``;
+            an address this node cannot use.
+        DistributedError: this node cannot connect to its own address (the loopback
+            interface is down).
     """
     validate_spec(spec)
+    warning = check_fits(
+        spec.nproc, mem_per_rank_mib=spec.mem_per_rank_mib, what=spec.mem_per_rank_what
+    )
+    if warning:  # more processes than cores: allowed (tests do it), said once
+        print(f"{spec.command}: {warning}", file=sys.stderr, flush=True)
     from torch.distributed import run as torchrun
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
@@ -189,6 +206,7 @@ def launch(spec: LaunchSpec) -> int:
     load_token()
     check_world_size_limit(ProcessInfo(world_size=spec.world_size))
     plan = plan_network(spec)
+    check_local_route(plan.local_address)  # lo down: one line now, not 300 s of store retries
     tls_env = tls_environment(spec)
     run_dir = tempfile.mkdtemp(prefix="ddpkit-run-")
     saved = dict(os.environ)
@@ -204,6 +222,8 @@ def launch(spec: LaunchSpec) -> int:
             name="ddpkit-agent-guard",
             daemon=True,
         ).start()
+    for name in _TORCHRUN_LOGGERS:
+        logging.getLogger(name).addFilter(_QUIET_CTRL_C)
     try:
         run_id = uuid.uuid4().hex if spec.nnodes == 1 else spec.rdzv_id
         argv = torchrun_argv(spec, plan, run_id)
@@ -221,23 +241,69 @@ def launch(spec: LaunchSpec) -> int:
     except RendezvousError as exc:  # this node's agent could not join (several nodes)
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         print(
-            f"ddpkit run: cannot join the rendezvous at {plan.endpoint_host}:"
+            f"{spec.command}: cannot join the rendezvous at {plan.endpoint_host}:"
             f"{plan.endpoint_port}: {first}. Check that node 0 runs ddpkit run with the same "
             "--rdzv-endpoint and --rdzv-id, and that this node can reach that address.",
             file=sys.stderr,
         )
         return 1
     except SignalException as exc:  # SIGTERM, SIGHUP, ... sent to the launcher
-        print(f"ddpkit run: stopped by {exc.sigval.name}; all workers stopped.", file=sys.stderr)
+        if exc.sigval == signal.SIGINT:  # Ctrl-C: torchrun has stopped the workers with SIGINT
+            return _interrupted(spec, run_dir)
+        print(
+            f"{spec.command}: stopped by {exc.sigval.name}; all workers stopped.", file=sys.stderr
+        )
         return 128 + int(exc.sigval)
     except KeyboardInterrupt:
-        print("ddpkit run: interrupted; all workers stopped.", file=sys.stderr)
-        return 130
+        return _interrupted(spec, run_dir)
     finally:
+        for name in _TORCHRUN_LOGGERS:
+            logging.getLogger(name).removeFilter(_QUIET_CTRL_C)
         os.environ.clear()
         os.environ.update(saved)
         shutil.rmtree(run_dir, ignore_errors=True)
         del rdzv_store
+
+
+class _QuietCtrlC(logging.Filter):
+    """Drops torchrun's own warnings about a Ctrl-C ("Received 2 death signal", "Sending process
+    N closing signal SIGINT", one per worker): the launcher says it in one line."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        text = record.getMessage()
+        return not (
+            f"Received {int(signal.SIGINT)} death signal" in text
+            or "Received SIGINT death signal" in text
+            or "closing signal SIGINT" in text
+        )
+
+
+_QUIET_CTRL_C = _QuietCtrlC()
+_TORCHRUN_LOGGERS = (
+    "torch.distributed.elastic.agent.server.api",
+    "torch.distributed.elastic.multiprocessing.api",
+)
+
+
+def _interrupted(spec: LaunchSpec, run_dir: str) -> int:
+    """Ctrl-C: one line for the whole job, after every worker has stopped; returns 130.
+
+    Where it stopped comes from the lowest rank's ``KeyboardInterrupt`` record (its message,
+    when the program gave one, e.g. ``ddpkit train``'s "after step 37 (epoch 1)"); the rest
+    from ``spec.on_interrupt``. The workers print no traceback for it (:mod:`.worker`).
+    """
+    records = [r for r in read_records(run_dir) if r.type == "KeyboardInterrupt" and r.message]
+    attempt = max((r.restart for r in records), default=0)
+    records = sorted((r for r in records if r.restart == attempt), key=lambda r: r.rank)
+    where = f" {records[0].message}" if records else ""
+    extra = spec.on_interrupt() if spec.on_interrupt is not None else "."  # may end in a command
+    print(
+        f"{spec.command}: interrupted (Ctrl-C){where}; all {spec.world_size} processes "
+        f"stopped{extra}",
+        file=sys.stderr,
+        flush=True,
+    )
+    return 130
 
 
 def _stderr_tails(run_dir: str, exit_codes: dict[int, int]) -> dict[int, str]:
@@ -264,7 +330,7 @@ def _worker_environment(spec: LaunchSpec, plan: NetworkPlan, run_dir: str) -> di
         RUN_DIR_ENV: run_dir,
         LAUNCHER_PID_ENV: str(os.getpid()),
         "OMP_NUM_THREADS": os.environ.get(
-            "OMP_NUM_THREADS", str(max(1, _usable_cores() // spec.nproc))
+            "OMP_NUM_THREADS", str(max(1, usable_cores() // spec.nproc))
         ),
     }
     if spec.omp_num_threads is not None:
@@ -295,7 +361,7 @@ def _stop_if_agent_stuck(run_dir: str, spec: LaunchSpec, poll_s: float = 0.5) ->
         for line in summarize_failure(records, {}, spec)[:-1]:
             print(line, file=sys.stderr)
         print(
-            f"ddpkit run: job FAILED; torchrun's agent did not finish within {AGENT_STUCK_S} s "
+            f"{spec.command}: job FAILED; torchrun's agent did not finish within {AGENT_STUCK_S} s "
             f"of the failure (the rendezvous store at {spec.rdzv_endpoint} does not answer: "
             "node 0 or the network to it is down); this node's processes stopped.",
             file=sys.stderr,

@@ -4,9 +4,10 @@ A rank that gloo aborts (``std::terminate`` in its network thread: a collective 
 from SIGABRT without a Python exception: the only account of what happened is what the C++
 runtime and Python's ``faulthandler`` wrote to its stderr just before. ``ddpkit run``'s worker
 bootstrap therefore sends its stderr through a small child process (:func:`tee_stderr`) that
-copies every byte to the console unchanged and, when stderr closes (the worker ended, however),
-writes the last ``keep_bytes`` to a file in the run folder. :func:`read_tail` returns it to the
-launcher.
+copies every byte to the console in whole lines (a line is held until its newline, and a last
+line without one gets one, so two ranks' lines never join mid-line) and, when stderr closes
+(the worker ended, however), writes the last ``keep_bytes`` to a file in the run folder.
+:func:`read_tail` returns it to the launcher.
 """
 
 from __future__ import annotations
@@ -25,6 +26,15 @@ for name in ("SIGINT", "SIGTERM", "SIGHUP"):  # stopped by EOF only: nothing may
     signal.signal(getattr(signal, name), signal.SIG_IGN)
 path, keep = sys.argv[1], int(sys.argv[2])
 tail = bytearray()
+pending = b""  # the start of a line not finished yet: held until its end (or EOF)
+
+def write(data):
+    while data:
+        try:
+            data = data[os.write(1, data) :]
+        except BrokenPipeError:
+            return
+
 while True:
     try:
         chunk = os.read(0, 65536)
@@ -34,14 +44,17 @@ while True:
         break
     tail += chunk
     del tail[:-keep]
+    chunk, pending = pending + chunk, b""
+    end = max(chunk.rfind(b"\n"), chunk.rfind(b"\r")) + 1  # "\r": a progress bar's redraw
+    chunk, pending = chunk[:end], chunk[end:]
+    if len(pending) > 4096:  # a very long line: pass it on rather than hold it
+        chunk, pending = chunk + pending, b""
     while chunk:  # whole lines of at most PIPE_BUF bytes: atomic on the shared console pipe
         cut = chunk.rfind(b"\n", 0, 4096) + 1 if len(chunk) > 4096 else len(chunk)
         piece, chunk = chunk[: cut or 4096], chunk[cut or 4096 :]
-        while piece:
-            try:
-                piece = piece[os.write(1, piece) :]
-            except BrokenPipeError:
-                piece = b""
+        write(piece)
+if pending:  # the last line lacked its newline: end it, so the next rank's line starts afresh
+    write(pending + b"\n")
 with open(path + ".tmp", "wb") as handle:
     handle.write(tail)
 os.replace(path + ".tmp", path)

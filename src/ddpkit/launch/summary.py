@@ -113,6 +113,7 @@ def summarize_failure(
         tails: rank -> the last bytes of its stderr (see :mod:`ddpkit.launch.stderr_tail`).
     """
     lines = []
+    label = f"{spec.command}:"
     recorded = {r.rank for r in records}
     unrecorded = {rank: code for rank, code in exit_codes.items() if rank not in recorded}
     signals = {rank: signal.Signals(-code).name for rank, code in unrecorded.items() if code < 0}
@@ -129,31 +130,31 @@ def summarize_failure(
         where = f", {crash.where}" if crash.where else ""
         if crash.mismatch:
             lines.append(
-                f"ddpkit run: first failure: rank {rank}/{spec.nproc} aborted ({name}): gloo "
+                f"{label} first failure: rank {rank}/{spec.nproc} aborted ({name}): gloo "
                 f"found a collective mismatch: it received {crash.received} bytes where it "
                 f"expected {crash.expected}{where}."
             )
         else:
             lines.append(
-                f"ddpkit run: first failure: rank {rank}/{spec.nproc} died from signal {name} "
+                f"{label} first failure: rank {rank}/{spec.nproc} died from signal {name} "
                 f"without a Python exception{where}."
             )
     mismatch = any(crash.mismatch for crash in crashes.values())
     if records:
         first = records[0]
-        lines.append(f"ddpkit run: {'then' if crashed else 'first failure'}: {first.headline}")
+        lines.append(f"{label} {'then' if crashed else 'first failure'}: {first.headline}")
         if first.type in WATCHDOG_TYPES:
-            lines += [f"ddpkit run:   {line}" for line in _report_lines(first)]
+            lines += [f"{label}   {line}" for line in _report_lines(first)]
         else:
-            lines += [f"ddpkit run:   {line}" for line in _traceback_tail(first.traceback)]
+            lines += [f"{label}   {line}" for line in _traceback_tail(first.traceback)]
         if first.hint and not mismatch:
-            lines.append(f"ddpkit run: hint: {first.hint}")
+            lines.append(f"{label} hint: {first.hint}")
     if mismatch:
-        lines.append(f"ddpkit run: hint: {_mismatch_hint(crashes, records)}")
+        lines.append(f"{label} hint: {_mismatch_hint(crashes, records)}")
     exited = {rank: code for rank, code in unrecorded.items() if code > 0}
     if exited:
         ranks = ", ".join(f"rank {r} exit status {c}" for r, c in sorted(exited.items()))
-        lines.append(f"ddpkit run: also failed without a Python exception: {ranks}.")
+        lines.append(f"{label} also failed without a Python exception: {ranks}.")
     if spec.max_restarts:
         restarts = f"gave up after {spec.max_restarts} restart(s)"
     elif _restart_can_help(crashes, records):
@@ -162,7 +163,7 @@ def summarize_failure(
         )
     else:
         restarts = "restarts are off (--max-restarts 0); a restart would fail the same way"
-    lines.append(f"ddpkit run: job FAILED; all {spec.nproc} processes stopped; {restarts}.")
+    lines.append(f"{label} job FAILED; all {spec.nproc} processes stopped; {restarts}.")
     return lines
 
 

@@ -6,7 +6,8 @@
 It runs the target as ``__main__`` (as ``python script.py`` would), and:
 
 - when an exception escapes: writes a :class:`~ddpkit.diagnostics.failures.FailureRecord` (when
-  ``DDPKIT_RUN_DIR`` is set), prints the traceback with a ``[rank r/N]`` prefix, exits 1;
+  ``DDPKIT_RUN_DIR`` is set), prints the traceback with a ``[rank r/N]`` prefix, exits 1
+  (``KeyboardInterrupt``: recorded without a traceback, exit 130; the launcher says it once);
 - on every path: destroys any process group still alive, then leaves through ``os._exit`` after
   running ``atexit`` handlers and flushing stdio — see :func:`shutdown_and_exit` for why;
 - for a native crash (a gloo abort, a segfault): ``faulthandler`` prints every thread's Python
@@ -140,7 +141,10 @@ def run_target(argv: list[str]) -> int:
         if code != 0:
             _record_failure(exc, show_traceback=False)
         return code
-    except BaseException as exc:  # noqa: BLE001 - every escape is recorded, KeyboardInterrupt too
+    except KeyboardInterrupt as exc:  # Ctrl-C: recorded; the launcher prints one line per job
+        _record_failure(exc, show_traceback=False)
+        return 130
+    except BaseException as exc:  # noqa: BLE001 - every escape is recorded
         _record_failure(exc, show_traceback=True)
         return 1
     return 0

@@ -54,7 +54,12 @@ def _resume_rule(value: str) -> str | None:
 class RunConfig:
     """the training run"""
 
-    epochs: int = option(1, "passes over the data", check=at_least(1), resume=True)
+    epochs: int = option(
+        1,
+        "passes over the data (default 1; the digits fallback: 20)",
+        check=at_least(1),
+        resume=True,
+    )
     batch_size: int = option(
         64, "samples per rank per step (default %(default)s); global batch = B x world size",
         check=at_least(1), resume=True, metavar="B",

@@ -22,7 +22,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from ddpkit.app.mnist.config import TrainConfig, check, resume_settings
 from ddpkit.app.mnist.data import DataSource
-from ddpkit.app.mnist.model import MnistCNN, build_optimizer
+from ddpkit.app.mnist.model import build_model, build_optimizer
 from ddpkit.app.mnist.monitor import TrainingMonitor
 from ddpkit.app.mnist.outputs import finite_or_none, reset_outputs
 from ddpkit.checkpoint.manager import CheckpointManager
@@ -45,9 +45,9 @@ FAULT_ENV = "DDPKIT_FAULT_INJECT"
 
 
 def build_model_and_optimizer(
-    config: TrainConfig, runtime: Runtime
+    config: TrainConfig, runtime: Runtime, *, dataset: str = "mnist"
 ) -> tuple[nn.Module, torch.optim.Optimizer, torch.optim.Optimizer, CommStats | None]:
-    """The wrapped MNIST CNN and its optimizer, with the config's wrap-time options.
+    """The wrapped CNN for ``dataset`` and its optimizer, with the config's wrap-time options.
 
     Collective: call on every rank (DDP broadcasts rank 0's parameters).
 
@@ -68,7 +68,7 @@ def build_model_and_optimizer(
     # a hand-written DDP loop); the bytes are then counted per step, not by a Python hook.
     hooked = config.grad_compression != "none" and not local_sgd
     model = wrap_model(
-        MnistCNN(),
+        build_model(dataset),
         runtime,
         strategy=config.strategy,
         sync_batchnorm=config.sync_batchnorm,
@@ -178,7 +178,9 @@ def build_training(config: TrainConfig, runtime: Runtime, source: DataSource) ->
     """
     torch.manual_seed(config.seed)
     train_set, test_set = source.load("train"), source.load("test")
-    model, optimizer, inner_optimizer, comm_stats = build_model_and_optimizer(config, runtime)
+    model, optimizer, inner_optimizer, comm_stats = build_model_and_optimizer(
+        config, runtime, dataset=source.dataset
+    )
     train_loader = build_train_loader(
         train_set,
         runtime,
@@ -281,6 +283,10 @@ def train_mnist(config: TrainConfig, runtime: Runtime, source: DataSource) -> di
         test, train_time_s, samples_total = _train_epochs(
             config, runtime, job, train_step, monitor, kill_at
         )
+    except KeyboardInterrupt:  # Ctrl-C: the launcher's one line names where it stopped (#16)
+        step = train_step.num_steps
+        epoch = step // max(train_step.num_optimizer_steps(len(job.train_loader)), 1) + 1
+        raise KeyboardInterrupt(f"after step {step} (epoch {epoch}/{config.epochs})") from None
     finally:
         monitor.close()
     if test is None:  # resumed from a checkpoint taken at the very end: evaluate it
