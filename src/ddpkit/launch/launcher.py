@@ -191,22 +191,12 @@ def launch(spec: LaunchSpec) -> int:
         DistributedError: this node cannot connect to its own address (the loopback
             interface is down).
     """
-    validate_spec(spec)
-    warning = check_fits(
-        spec.nproc, mem_per_rank_mib=spec.mem_per_rank_mib, what=spec.mem_per_rank_what
-    )
-    if warning:  # more processes than cores: allowed (tests do it), said once
-        print(f"{spec.command}: {warning}", file=sys.stderr, flush=True)
+    plan = _preflight(spec)
     from torch.distributed import run as torchrun
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.elastic.rendezvous.api import RendezvousError
 
-    # settings every worker would check: refused here, once, before anything starts
-    load_token()
-    check_world_size_limit(ProcessInfo(world_size=spec.world_size))
-    plan = plan_network(spec)
-    check_local_route(plan.local_address)  # lo down: one line now, not 300 s of store retries
     tls_env = tls_environment(spec)
     run_dir = tempfile.mkdtemp(prefix="ddpkit-run-")
     saved = dict(os.environ)
@@ -230,13 +220,8 @@ def launch(spec: LaunchSpec) -> int:
         torchrun.run(torchrun.parse_args(argv))
         return 0
     except ChildFailedError as exc:
-        records = read_records(run_dir)
-        attempt = max((r.restart for r in records), default=0)
-        records = [r for r in records if r.restart == attempt]
         codes = {rank: failure.exitcode for rank, failure in exc.failures.items()}
-        tails = _stderr_tails(run_dir, codes)
-        for line in summarize_failure(records, codes, spec, tails):
-            print(line, file=sys.stderr)
+        _print_failure_summary(spec, run_dir, codes)
         return 1
     except RendezvousError as exc:  # this node's agent could not join (several nodes)
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
@@ -263,6 +248,31 @@ def launch(spec: LaunchSpec) -> int:
         os.environ.update(saved)
         shutil.rmtree(run_dir, ignore_errors=True)
         del rdzv_store
+
+
+def _preflight(spec: LaunchSpec) -> NetworkPlan:
+    """Every check a worker would fail, done once before anything starts; the network plan."""
+    validate_spec(spec)
+    warning = check_fits(
+        spec.nproc, mem_per_rank_mib=spec.mem_per_rank_mib, what=spec.mem_per_rank_what
+    )
+    if warning:  # more processes than cores: allowed (tests do it), said once
+        print(f"{spec.command}: {warning}", file=sys.stderr, flush=True)
+    load_token()
+    check_world_size_limit(ProcessInfo(world_size=spec.world_size))
+    plan = plan_network(spec)
+    check_local_route(plan.local_address)  # lo down: one line now, not 300 s of store retries
+    return plan
+
+
+def _print_failure_summary(spec: LaunchSpec, run_dir: str, exit_codes: dict[int, int]) -> None:
+    """The summary of the last attempt's failure records (first failure first), on stderr."""
+    records = read_records(run_dir)
+    attempt = max((r.restart for r in records), default=0)
+    records = [r for r in records if r.restart == attempt]
+    tails = _stderr_tails(run_dir, exit_codes)
+    for line in summarize_failure(records, exit_codes, spec, tails):
+        print(line, file=sys.stderr)
 
 
 class _QuietCtrlC(logging.Filter):
