@@ -170,3 +170,34 @@ def test_offline_falls_back_to_digits_with_a_note(tmp_path, monkeypatch):
 def test_unknown_dataset_is_a_config_error():
     with pytest.raises(ConfigError, match="Allowed: auto, mnist, digits"):
         resolve_data("fashion")
+
+
+def test_digits_splits_are_cached_and_read_back_without_scikit_learn(tmp_path, monkeypatch):
+    pytest.importorskip("sklearn")
+    import subprocess
+    import sys
+
+    import torch
+
+    monkeypatch.setenv("DDPKIT_CACHE_DIR", str(tmp_path))
+    first = mnist_data.load_digits_split("test")
+    cached = list(tmp_path.glob("digits-*-0.pt"))
+    assert len(cached) == 1 and not list(tmp_path.glob(".digits-*"))  # no temporary left
+    computed = mnist_data._digits_splits(0)["test"]
+    assert all(torch.equal(a, b) for a, b in zip(first.tensors, computed, strict=True))
+    # a later process (a rank of a later job) reads the file and never imports scikit-learn
+    code = (
+        "import sys, torch; from ddpkit.app.mnist.data import load_digits_split; "
+        "d = load_digits_split('test'); print('sklearn' in sys.modules, len(d), "
+        "float(d.tensors[0].sum()))"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=120
+    ).stdout.split()
+    assert out[:2] == ["False", "360"]
+    assert float(out[2]) == float(first.tensors[0].sum())
+    # an unreadable cache file is recomputed and replaced, not an error
+    cached[0].write_bytes(b"not a torch file")
+    again = mnist_data.load_digits_split("test")
+    assert torch.equal(again.tensors[1], first.tensors[1])
+    assert torch.load(cached[0], weights_only=True)["test"][1].shape == (360,)

@@ -15,12 +15,16 @@ files published by LeCun, Cortes and Burges), so a truncated or altered file nev
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import fcntl
 import gzip
 import hashlib
 import http.client
+import importlib.metadata
 import os
+import pickle
+import tempfile
 import urllib.error
 import urllib.request
 import zlib
@@ -239,27 +243,61 @@ def download_mnist(directory: Path, timeout_s: float = 10.0) -> None:
 def load_digits_split(split: str, seed: int = 0) -> TensorDataset:
     """scikit-learn's 8x8 digits (1,797 images), upsampled to ``(N, 1, 28, 28)``, split 80/20.
 
-    The split is stratified with a fixed ``seed``, so every rank builds the same one.
+    The split is stratified with a fixed ``seed``, so every rank builds the same one. The first
+    call on a machine keeps both splits in the cache folder (``digits-<sklearn version>-<seed>
+    .pt`` beside ``mnist/``, written atomically); later calls, every rank of every later job,
+    read that file instead of importing scikit-learn (about 1.5 s of CPU per process on 2 cores).
 
     Raises:
         ConfigError: scikit-learn is not installed (``pip install 'ddpkit[digits]'``).
     """
     try:
-        from sklearn.datasets import load_digits
-        from sklearn.model_selection import train_test_split
-    except ImportError:
+        version = importlib.metadata.version("scikit-learn")
+    except importlib.metadata.PackageNotFoundError:
         raise ConfigError(
             "dataset=digits needs scikit-learn, which is not installed. "
             "Install it with: pip install 'ddpkit[digits]'."
         ) from None
+    path = default_cache_dir().parent / f"digits-{version}-{seed}.pt"
+    try:
+        splits = torch.load(path, weights_only=True)
+    except (OSError, RuntimeError, EOFError, pickle.UnpicklingError):  # absent or unreadable
+        splits = _digits_splits(seed)
+        _save_atomic(splits, path)
+    return TensorDataset(*splits[split])
+
+
+def _digits_splits(seed: int) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    """Both splits, computed: ``{"train"|"test": (images (N, 1, 28, 28) float32, labels (N,))}``."""
+    from sklearn.datasets import load_digits
+    from sklearn.model_selection import train_test_split
+
     bunch = load_digits()
     x_train, x_test, y_train, y_test = train_test_split(
         bunch.images, bunch.target, test_size=0.2, random_state=seed, stratify=bunch.target
     )
-    x, y = (x_train, y_train) if split == "train" else (x_test, y_test)
-    images = torch.from_numpy(x.astype(np.float32) / 16.0).unsqueeze(1)
-    images = torch.nn.functional.interpolate(images, size=(28, 28), mode="bilinear")
-    return TensorDataset((images - MNIST_MEAN) / MNIST_STD, torch.from_numpy(y.astype(np.int64)))
+    splits = {}
+    for split, x, y in (("train", x_train, y_train), ("test", x_test, y_test)):
+        images = torch.from_numpy(x.astype(np.float32) / 16.0).unsqueeze(1)
+        images = torch.nn.functional.interpolate(images, size=(28, 28), mode="bilinear")
+        splits[split] = ((images - MNIST_MEAN) / MNIST_STD, torch.from_numpy(y.astype(np.int64)))
+    return splits
+
+
+def _save_atomic(payload: object, path: Path) -> None:
+    """``torch.save`` to a temporary file beside ``path``, then rename; nothing on failure (a
+    read-only cache only costs the next process the computation again)."""
+    tmp = None
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
+        with os.fdopen(fd, "wb") as handle:
+            torch.save(payload, handle)
+        os.replace(tmp, path)
+    except OSError:
+        if tmp is not None:
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)
 
 
 @dataclass(frozen=True)
