@@ -30,8 +30,9 @@ def _runtime(rank: int, world_size: int) -> Runtime:
 def _loaders(num_samples, world_size, batch_size, **kwargs):
     data = TensorDataset(torch.arange(num_samples))
     return [
-        ddpkit.build_train_loader(data, _runtime(r, world_size), batch_size=batch_size, seed=5,
-                                  **kwargs)  # fmt: skip
+        ddpkit.build_train_loader(
+            data, _runtime(r, world_size), batch_size=batch_size, seed=5, **kwargs
+        )  # fmt: skip
         for r in range(world_size)
     ]
 
@@ -192,9 +193,7 @@ class _Stream(IterableDataset):
 
 
 def test_a_stream_position_at_another_world_size_is_refused_in_one_line():
-    loaders = [
-        ddpkit.build_train_loader(_Stream(), _runtime(r, 2), batch_size=4) for r in range(2)
-    ]
+    loaders = [ddpkit.build_train_loader(_Stream(), _runtime(r, 2), batch_size=4) for r in range(2)]
     _, state = _saved_state(loaders, 2)
     other = ddpkit.build_train_loader(_Stream(), _runtime(0, 3), batch_size=4)
     with pytest.raises(ConfigError) as error:
@@ -247,3 +246,60 @@ def test_fit_global_batch_refuses_in_one_line_naming_the_sizes_that_work():
 def test_fit_global_batch_refuses_bad_input(args):
     with pytest.raises(ConfigError, match="positive integer"):
         ddpkit.fit_global_batch(*args, batch_size=4)
+
+
+def _draws() -> tuple:
+    import random
+
+    import numpy as np
+
+    return float(torch.rand(1)), float(np.random.rand()), random.random()
+
+
+def _states_after(seeds: list[int]) -> list[dict]:
+    from ddpkit.checkpoint.state import rng_state
+
+    states = []
+    for seed in seeds:
+        torch.manual_seed(seed)
+        __import__("numpy").random.seed(seed)
+        __import__("random").seed(seed)
+        states.append(rng_state())
+    return states
+
+
+def test_rng_on_another_world_size_continues_a_shared_state_on_every_rank():
+    from ddpkit.checkpoint.state import restore_rng_state, set_rng_state
+
+    saved = _states_after([4, 4])  # one seed on every rank: the usual DDP job
+    set_rng_state(saved[0])
+    expected = _draws()
+    for rank in range(3):
+        note = restore_rng_state(saved, rank, 3, step=10)
+        assert _draws() == expected  # rank 2 too: what every rank of the 2-rank run drew next
+    assert note == "every rank continues the RNG state the 2 saved ranks shared"
+
+
+def test_rng_on_another_world_size_keeps_per_rank_states_and_seeds_new_ranks():
+    from ddpkit.checkpoint.state import restore_rng_state, set_rng_state
+
+    saved = _states_after([1, 2])  # per-rank seeds: the states differ
+    own = []
+    for state in saved:
+        set_rng_state(state)
+        own.append(_draws())
+    draws, notes = [], []
+    for rank in range(3):
+        notes.append(restore_rng_state(saved, rank, 3, step=10))
+        draws.append(_draws())
+    assert draws[:2] == own  # ranks 0 and 1 go on with their own streams
+    assert draws[2] not in own
+    restore_rng_state(saved, 2, 3, step=10)
+    assert _draws() == draws[2]  # derived from (step, rank): the same on a rerun
+    restore_rng_state(saved, 2, 3, step=11)
+    assert _draws() != draws[2]
+    assert notes[0] == "ranks 0-1 keep their saved RNG states, rank 2 seeded from (step, rank)"
+    fewer = restore_rng_state(_states_after([1, 2, 3]), 0, 2, step=10)
+    assert fewer == "ranks 0-1 keep their saved RNG states, those of saved rank 2 dropped"
+    one = restore_rng_state(_states_after([1, 2]), 0, 1, step=10)
+    assert one == "rank 0 keeps its saved RNG state, those of saved rank 1 dropped"

@@ -32,7 +32,9 @@ def _positive(name: str, value: object) -> str | None:
     return None
 
 
-def fit_global_batch(global_batch_size: int, world_size: int, *, batch_size: int) -> tuple[int, int]:
+def fit_global_batch(
+    global_batch_size: int, world_size: int, *, batch_size: int
+) -> tuple[int, int]:
     """The per-rank batch size and micro-steps that make ``global_batch_size`` on ``world_size``.
 
     ``per-rank batch x micro-steps x world_size == global_batch_size``, with the largest per-rank

@@ -87,7 +87,9 @@ class ResumableDistributedSampler(DistributedSampler):
             return super().__iter__()
         order = self.epoch_order()
         start, end = span
-        return iter([order[p % len(order)] for p in range(start + self.rank, end, self.num_replicas)])
+        return iter(
+            [order[p % len(order)] for p in range(start + self.rank, end, self.num_replicas)]
+        )
 
     def __len__(self) -> int:
         if self.span is None:
