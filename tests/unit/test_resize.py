@@ -269,7 +269,8 @@ def _states_after(seeds: list[int]) -> list[dict]:
 
 
 def test_rng_on_another_world_size_continues_a_shared_state_on_every_rank():
-    from ddpkit.checkpoint.state import restore_rng_state, set_rng_state
+    from ddpkit.checkpoint.rng import restore_rng_state
+    from ddpkit.checkpoint.state import set_rng_state
 
     saved = _states_after([4, 4])  # one seed on every rank: the usual DDP job
     set_rng_state(saved[0])
@@ -277,13 +278,14 @@ def test_rng_on_another_world_size_continues_a_shared_state_on_every_rank():
     for rank in range(3):
         note = restore_rng_state(saved, rank, 3, step=10)
         assert _draws() == expected  # rank 2 too: what every rank of the 2-rank run drew next
-    assert note == "every rank continues the RNG state the 2 saved ranks shared"
+    assert note == "RNG states: torch, numpy, python as the 2 saved ranks shared it"
 
 
 def test_rng_on_another_world_size_keeps_per_rank_states_and_seeds_new_ranks():
-    from ddpkit.checkpoint.state import restore_rng_state, set_rng_state
+    from ddpkit.checkpoint.rng import restore_rng_state
+    from ddpkit.checkpoint.state import set_rng_state
 
-    saved = _states_after([1, 2])  # per-rank seeds: the states differ
+    saved = _states_after([1, 2])  # per-rank seeds: every generator differs
     own = []
     for state in saved:
         set_rng_state(state)
@@ -293,13 +295,39 @@ def test_rng_on_another_world_size_keeps_per_rank_states_and_seeds_new_ranks():
         notes.append(restore_rng_state(saved, rank, 3, step=10))
         draws.append(_draws())
     assert draws[:2] == own  # ranks 0 and 1 go on with their own streams
-    assert draws[2] not in own
+    assert all(value not in {o[i] for o in own} for i, value in enumerate(draws[2]))
     restore_rng_state(saved, 2, 3, step=10)
     assert _draws() == draws[2]  # derived from (step, rank): the same on a rerun
     restore_rng_state(saved, 2, 3, step=11)
     assert _draws() != draws[2]
-    assert notes[0] == "ranks 0-1 keep their saved RNG states, rank 2 seeded from (step, rank)"
+    assert notes[0] == (
+        "RNG states: torch, numpy, python per rank (ranks 0-1 their own, rank 2 seeded from "
+        "(step, rank))"
+    )
     fewer = restore_rng_state(_states_after([1, 2, 3]), 0, 2, step=10)
-    assert fewer == "ranks 0-1 keep their saved RNG states, those of saved rank 2 dropped"
-    one = restore_rng_state(_states_after([1, 2]), 0, 1, step=10)
-    assert one == "rank 0 keeps its saved RNG state, those of saved rank 1 dropped"
+    assert fewer.endswith("per rank (ranks 0-1 their own, saved rank 2 dropped)")
+
+
+def test_rng_on_another_world_size_decides_each_generator_on_its_own():
+    """``ddpkit train`` seeds torch alike on every rank, numpy and python not at all."""
+    import random
+
+    import numpy as np
+
+    from ddpkit.checkpoint.rng import restore_rng_state
+    from ddpkit.checkpoint.state import rng_state
+
+    saved = []
+    for seed in (1, 2):
+        torch.manual_seed(0)
+        np.random.seed(seed)
+        random.seed(seed)
+        saved.append(rng_state())
+    torch.manual_seed(0)
+    shared_torch = float(torch.rand(1))
+    note = restore_rng_state(saved, 2, 4, step=10)
+    assert float(torch.rand(1)) == shared_torch  # rank 2 continues the shared torch stream
+    assert note == (
+        "RNG states: torch as the 2 saved ranks shared it; numpy, python per rank (ranks 0-1 "
+        "their own, ranks 2-3 seeded from (step, rank))"
+    )

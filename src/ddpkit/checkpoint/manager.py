@@ -57,7 +57,8 @@ from ddpkit.checkpoint.objects import (
     is_local_sgd_optimizer,
     is_zero_optimizer,
 )
-from ddpkit.checkpoint.state import load_model_state, restore_rng_state, rng_state
+from ddpkit.checkpoint.rng import restore_rng_state
+from ddpkit.checkpoint.state import load_model_state, rng_state
 from ddpkit.distributed.collectives import all_gather_object, all_reduce_sum, barrier
 from ddpkit.distributed.loader import ShardedLoader
 from ddpkit.distributed.process_group import Runtime

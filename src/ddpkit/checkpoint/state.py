@@ -10,7 +10,6 @@ import numpy as np
 import torch
 from torch.nn.modules.utils import consume_prefix_in_state_dict_if_present
 
-from ddpkit.distributed.seeding import derive_seed
 from ddpkit.errors import DataError
 from ddpkit.log import get_logger
 from ddpkit.parallel.wrap import unwrap_model
@@ -35,64 +34,15 @@ def rng_state() -> dict[str, Any]:
 
 
 def set_rng_state(state: dict[str, Any]) -> None:
-    torch.set_rng_state(state["torch"])
-    np.random.set_state(state["numpy"])
-    random.setstate(state["python"])
+    """Set the generators ``state`` holds (any of :func:`rng_state`'s; CUDA only where there)."""
+    if "torch" in state:
+        torch.set_rng_state(state["torch"])
+    if "numpy" in state:
+        np.random.set_state(state["numpy"])
+    if "python" in state:
+        random.setstate(state["python"])
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(state["cuda"])
-
-
-def _same(a: Any, b: Any) -> bool:
-    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
-        return isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and torch.equal(a, b)
-    if isinstance(a, np.ndarray) or isinstance(b, np.ndarray):
-        return np.array_equal(a, b)
-    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
-        return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b, strict=True))
-    return a == b
-
-
-def same_rng_state(a: dict[str, Any], b: dict[str, Any]) -> bool:
-    """Two :func:`rng_state` results hold the same states (every generator, bit for bit)."""
-    return a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
-
-
-def restore_rng_state(saved: list[dict[str, Any]], rank: int, world_size: int, *, step: int) -> str:
-    """Set this rank's RNG states from a checkpoint's per-rank states; returns how, for the log.
-
-    On the world size that wrote them, rank ``r`` takes saved rank ``r``'s states (exact
-    resume). On another one the saved streams cannot map one to one, so: when every saved rank
-    held the same states (the usual case: one seed on every rank and the same draws), every rank
-    continues them, as the uninterrupted run's ranks would have; otherwise rank ``r`` continues
-    saved rank ``r``'s states where there is one, and a new rank starts from a seed derived
-    from ``(step, rank)`` (distinct per rank, the same on a rerun); the states of saved ranks
-    beyond the new world size are dropped. Not a collective.
-    """
-    if len(saved) == world_size:
-        set_rng_state(saved[rank])
-        return "each rank continues its own RNG state"
-    if all(same_rng_state(saved[0], other) for other in saved[1:]):
-        set_rng_state(saved[0])
-        return f"every rank continues the RNG state the {len(saved)} saved ranks shared"
-    kept = min(len(saved), world_size)
-    if rank < kept:
-        set_rng_state(saved[rank])
-    else:
-        seed = derive_seed("resume-rng", step, rank)
-        torch.manual_seed(seed)  # the CPU generator and every CUDA device's
-        np.random.seed(seed % 2**32)
-        random.seed(seed)
-    one = kept == 1
-    own = (
-        f"{_ranks(0, kept - 1)} keep{'s its' if one else ' their'} saved RNG state{'s' * (not one)}"
-    )
-    if world_size > kept:
-        return f"{own}, {_ranks(kept, world_size - 1)} seeded from (step, rank)"
-    return f"{own}, those of saved {_ranks(kept, len(saved) - 1)} dropped"
-
-
-def _ranks(first: int, last: int) -> str:
-    return f"rank {first}" if first == last else f"ranks {first}-{last}"
 
 
 def strip_wrapper_prefixes(
