@@ -338,13 +338,11 @@ class CheckpointManager:
         is unpickled. A ``ZeroRedundancyOptimizer`` takes its own shard of the consolidated
         state (on any number of ranks).
 
-        Another world size than the checkpoint's resumes too, with nothing to add: replicated
-        state (model, optimizer, scheduler, scaler, EMA) loads as it is; a
-        :class:`~ddpkit.ShardedLoader` goes on at the saved global position of its epoch, the
-        rest of the epoch re-sharded over the new ranks, each remaining sample once; the RNG
-        states follow :func:`~ddpkit.checkpoint.state.restore_rng_state`. The per-rank batch
-        that keeps the global batch is the caller's (:func:`ddpkit.fit_global_batch`). The
-        info line then names both world sizes.
+        Another world size resumes too: replicated state loads as it is, a
+        :class:`~ddpkit.ShardedLoader` re-shards the rest of its epoch over the new ranks (each
+        remaining sample once), RNG states follow :mod:`ddpkit.checkpoint.rng`, and the info
+        line names both sizes. Keeping the global batch is the caller's
+        (:func:`ddpkit.fit_global_batch`).
 
         Collective: call on every rank; the ranks check they resumed the same checkpoint. At
         world size 1 no collective runs.

@@ -1,7 +1,9 @@
 """The training loader: one pass per ``iter()``, epoch advanced, resumable, seeded per rank.
 
 Built by :func:`ddpkit.build_train_loader`; see :mod:`ddpkit.distributed.seeding` for how the
-shuffle stays shared while augmentation randomness differs per rank and worker.
+shuffle stays shared while augmentation randomness differs per rank and worker. Its position in
+an epoch is global (samples done over all ranks), so a checkpoint resumes on any number of ranks
+(:class:`~ddpkit.distributed.sampler.ResumableDistributedSampler` deals out the rest).
 """
 
 from __future__ import annotations
@@ -77,7 +79,8 @@ class ShardedLoader:
     The n-th pass over the loader (counting from 0) uses epoch ``start_epoch + n``, so each epoch
     has a new order and the ranks stay in step without a ``set_epoch`` call. Use
     :meth:`set_epoch` to jump, and :meth:`state_dict`/:meth:`load_state_dict` to resume exactly
-    in the middle of an epoch (every remaining sample of that epoch seen once, none twice).
+    in the middle of an epoch (every remaining sample of that epoch seen once, none twice), on
+    the same or another number of ranks.
 
     Randomness: the order comes from ``seed + epoch`` (the same on every rank); augmentation
     draws come from ``(seed, rank, epoch)`` for worker processes and ``(seed, rank, epoch,
