@@ -331,3 +331,13 @@ def test_rng_on_another_world_size_decides_each_generator_on_its_own():
         "RNG states: torch as the 2 saved ranks shared it; numpy, python per rank (ranks 0-1 "
         "their own, ranks 2-3 seeded from (step, rank))"
     )
+
+
+@pytest.mark.parametrize("num_samples", [1, 11, 12, 13, 23, 25, 47, 48, 49, 71])
+def test_epoch_steps_are_the_same_on_every_world_size_that_keeps_the_global_batch(num_samples):
+    """What lets ``ddpkit train`` resume its LR schedule (steps x epochs) on another size."""
+    expected = -(-num_samples // 12)
+    for world_size in (1, 2, 3, 4, 6, 12):
+        batch_size, micro_steps = ddpkit.fit_global_batch(12, world_size, batch_size=5)
+        loader = _loaders(num_samples, world_size, batch_size)[0]
+        assert -(-len(loader) // micro_steps) == expected, world_size

@@ -152,6 +152,11 @@ def build_train_loader(
     training stream). A dataset that keeps its own generator should seed it from
     ``torch.initial_seed()`` inside ``__getitem__``, which torch sets per worker.
 
+    The loader's position (``state_dict``) is global for a map-style dataset: a checkpoint
+    resumes on any number of ranks, the rest of the epoch re-sharded, each remaining sample once
+    (:class:`ResumableDistributedSampler`; keep the global batch with
+    :func:`ddpkit.fit_global_batch`).
+
     A stream (``IterableDataset``) is split by rank x worker (every ``world_size *
     num_workers``-th item; :mod:`ddpkit.distributed.streams`), its last row padded with its
     first items (or dropped with ``drop_last``) so every rank gets the same number of batches.

@@ -26,7 +26,7 @@ from ddpkit.app.mnist.data import DataSource
 from ddpkit.app.mnist.model import build_model, build_optimizer
 from ddpkit.app.mnist.monitor import TrainingMonitor
 from ddpkit.app.mnist.outputs import finite_or_none, reset_outputs
-from ddpkit.app.mnist.resume import BatchPlan, check_epoch_steps, checkpoint_settings, plan_batch
+from ddpkit.app.mnist.resume import BatchPlan, checkpoint_settings, plan_batch
 from ddpkit.checkpoint.manager import CheckpointManager
 from ddpkit.distributed.process_group import Runtime
 from ddpkit.distributed.sampler import ShardedLoader, build_eval_loader, build_train_loader
@@ -212,7 +212,7 @@ def build_training(
     if plan is None:
         requested = (config.batch_size, config.grad_accum)
         plan = BatchPlan(*requested, requested[0] * requested[1] * runtime.world_size, requested)
-    settings = checkpoint_settings(config, source.dataset, plan, steps_per_epoch)
+    settings = checkpoint_settings(config, source.dataset, plan)
     ckpt = CheckpointManager(
         Path(config.output_dir) / "checkpoints", runtime, state=state,
         every_steps=config.checkpoint_every, extra=settings,
@@ -223,12 +223,10 @@ def build_training(
     )  # fmt: skip
 
 
-def _resume(config: TrainConfig, runtime: Runtime, job: MnistTraining, plan: BatchPlan) -> int:
+def _resume(config: TrainConfig, job: MnistTraining, plan: BatchPlan) -> int:
     """The step ``--resume`` restored (0: a fresh start). Collective: call on every rank."""
     if not config.resume:
         return 0
-    steps_per_epoch = job.settings["steps_per_epoch"]
-    check_epoch_steps(plan, steps_per_epoch, job.num_train, config.max_steps, runtime.world_size)
     if plan.note:
         get_logger("train").info(plan.note)
     path = None if config.resume == "auto" else config.resume
@@ -283,7 +281,7 @@ def train_mnist(config: TrainConfig, runtime: Runtime, source: DataSource) -> di
     config = dataclasses.replace(config, batch_size=plan.batch_size, grad_accum=plan.grad_accum)
     check(config, world_size=runtime.world_size)
     job = build_training(config, runtime, source, plan=plan)
-    first_step = _resume(config, runtime, job, plan)
+    first_step = _resume(config, job, plan)
     reset_outputs(output_dir, runtime, job.train_loader.epoch if first_step else None, first_step)
     timer = StepTimer(runtime, enabled=config.step_timing)
     monitor = TrainingMonitor(

@@ -12,7 +12,7 @@ from pathlib import Path
 from ddpkit.app.mnist.config import TrainConfig, resume_settings
 from ddpkit.checkpoint.io import read_manifest
 from ddpkit.checkpoint.manager import newest_manifest
-from ddpkit.distributed.resize import fit_global_batch, world_sizes_for
+from ddpkit.distributed.resize import fit_global_batch
 from ddpkit.errors import ConfigError
 
 
@@ -133,46 +133,17 @@ def plan_batch(config: TrainConfig, world_size: int) -> BatchPlan:
     return BatchPlan(*split, global_batch, requested, found, note)
 
 
-def checkpoint_settings(config: TrainConfig, dataset: str, plan: BatchPlan,
-                        steps_per_epoch: int | None = None) -> dict:  # fmt: skip
+def checkpoint_settings(config: TrainConfig, dataset: str, plan: BatchPlan) -> dict:
     """The settings a checkpoint of this run records and a resume must share: the config's
-    ``resume=True`` fields with the batch settings the run was started with, the data set, the
-    global batch and (when known) the optimizer steps per epoch, which the LR schedule counts."""
+    ``resume=True`` fields with the batch settings the run was started with, the data set and
+    the global batch.
+
+    The global batch also fixes the LR schedule's steps per epoch on every world size that
+    splits it: ``DistributedSampler`` pads N samples to the next multiple of the world size M,
+    which never passes the next multiple of the global batch G when M divides G, so an epoch
+    takes ``ceil(N / G)`` optimizer steps (``--max-steps`` capping it) on any of them.
+    """
     settings = {**resume_settings(config), "dataset": dataset}
     settings.update(batch_size=plan.requested[0], grad_accum=plan.requested[1],
                     global_batch_size=plan.global_batch_size)  # fmt: skip
-    if steps_per_epoch is not None:
-        settings["steps_per_epoch"] = steps_per_epoch
     return settings
-
-
-def epoch_steps(num_samples: int, world_size: int, global_batch_size: int, max_steps: int) -> int:
-    """Optimizer steps of one epoch: ``num_samples`` padded to a multiple of ``world_size`` (as
-    ``DistributedSampler`` pads) in global batches, capped at ``max_steps`` (0 = no cap)."""
-    padded = -(-num_samples // world_size) * world_size
-    steps = -(-padded // global_batch_size)
-    return min(steps, max_steps) if max_steps else steps
-
-
-def check_epoch_steps(plan: BatchPlan, steps_per_epoch: int, num_samples: int,
-                      max_steps: int, world_size: int) -> None:  # fmt: skip
-    """Refuse a resume whose epochs would take another number of optimizer steps than the
-    checkpoint's LR schedule was laid out for (the padding to a multiple of the world size can
-    add a step where the data set ends near a multiple of the global batch).
-
-    Raises:
-        ConfigError: one line naming both step counts and the numbers of processes that keep it.
-    """
-    saved = ((plan.found[1].get("extra") or {}) if plan.found else {}).get("steps_per_epoch")
-    if saved is None or saved == steps_per_epoch:
-        return
-    global_batch = plan.global_batch_size
-    sizes = [m for m in world_sizes_for(global_batch)
-             if epoch_steps(num_samples, m, global_batch, max_steps) == saved]  # fmt: skip
-    raise ConfigError(
-        f"cannot resume {plan.found[0]} on {world_size} process(es): steps_per_epoch="
-        f"{steps_per_epoch} ({num_samples} samples padded to a multiple of {world_size}, in "
-        f"global batches of {global_batch}), but its learning-rate schedule counts {saved} per "
-        f"epoch. Resume with --nproc one of {', '.join(map(str, sizes)) or 'none'}, or start "
-        "fresh without --resume."
-    )
