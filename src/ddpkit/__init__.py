@@ -34,6 +34,7 @@ from ddpkit.distributed.collectives import (
 )
 from ddpkit.distributed.env import ProcessInfo, detect_process_info
 from ddpkit.distributed.process_group import Runtime, init_runtime, resolve_backend
+from ddpkit.distributed.resize import fit_global_batch
 from ddpkit.distributed.sampler import (
     ShardedLoader,
     UnpaddedDistributedSampler,
@@ -100,6 +101,7 @@ __all__ = [
     "enable_local_sgd",
     "evaluate",
     "explain",
+    "fit_global_batch",
     "get_logger",
     "init_runtime",
     "join_uneven_inputs",

@@ -109,9 +109,42 @@ def test_resume_with_other_settings_is_refused_before_launch(tmp_path, capsys):
         capsys,
     )
     assert code == 2 and len(err.strip().splitlines()) == 1, err
-    assert "world_size 2 (this job: 3)" in err and "batch_size 64 (this job: 32)" in err
+    assert "batch_size 64 (this job: 32)" in err  # 32 x 3 is another global batch than 64 x 2
     assert (out / "summary.json").exists()  # nothing of the earlier run was removed
     assert torch.load(out / "checkpoints" / "step-00000008" / "state.pt")["step"] == 8
+
+
+def _checkpoint_of_two_ranks(out, **settings):
+    from ddpkit.app.mnist.config import TrainConfig
+    from ddpkit.app.mnist.resume import BatchPlan, checkpoint_settings
+    from ddpkit.checkpoint.io import write_checkpoint
+
+    config = TrainConfig(**settings)
+    requested = (config.batch_size, config.grad_accum)
+    plan = BatchPlan(*requested, requested[0] * requested[1] * 2, requested)
+    extra = checkpoint_settings(config, "digits", plan)
+    write_checkpoint(out / "checkpoints", 8, {"step": 8}, {"world_size": 2, "extra": extra})
+
+
+def test_resume_on_processes_that_cannot_keep_the_global_batch_lists_those_that_can(
+    tmp_path, capsys
+):
+    out = tmp_path / "run"
+    _checkpoint_of_two_ranks(out)  # global batch 64 x 1 x 2 = 128
+    argv = ["train", "--dataset", "digits", "--epochs", "1", "--nproc", "3", "--resume", "auto"]
+    code, err = run_main([*argv, "--output-dir", str(out)], capsys)
+    assert code == 2 and len(err.strip().splitlines()) == 1, err
+    assert "on 3 process(es), written on 2" in err and "global_batch_size=128" in err
+    assert "numbers of ranks: 1, 2, 4, 8, 16, 32, 64, 128" in err
+
+
+def test_resume_that_splits_into_micro_steps_is_checked_like_a_fresh_config(tmp_path, capsys):
+    out = tmp_path / "run"
+    _checkpoint_of_two_ranks(out)  # 64 x 1 x 2; --static-graph is fine with 1 micro-step
+    argv = ["train", "--dataset", "digits", "--epochs", "1", "--nproc", "1", "--static-graph"]
+    code, err = run_main([*argv, "--resume", "auto", "--output-dir", str(out)], capsys)
+    assert code == 2 and len(err.strip().splitlines()) == 1, err
+    assert "static_graph=True with grad_accum=2" in err  # 64 x 2 on one process
 
 
 def test_version_names_ddpkit_and_torch(capsys):

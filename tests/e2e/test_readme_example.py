@@ -3,7 +3,8 @@
 The block is written to ``train.py`` unchanged and run twice, as ``python train.py`` (one
 process, no process group) and under ``ddpkit run -n 2``: first for 2 epochs, then again with
 ``EPOCHS=3`` in the same folder, where it must resume from its newest checkpoint (mid-epoch),
-repeat the rest of that epoch with the same loss and accuracy as the first run, and go on.
+repeat the rest of that epoch with the same loss and accuracy as the first run, and go on. A
+third test runs it under plain ``torchrun`` on 2 ranks, then on 4 from the same folder.
 """
 
 from __future__ import annotations
@@ -62,3 +63,21 @@ def test_readme_example_trains_and_resumes_at_the_saved_step(launch, tmp_path):
     assert [(e, s) for e, s, _, _ in resumed] == [(1, 2 * per_epoch), (2, 3 * per_epoch)]
     assert resumed[0] == epochs[1], (resumed, epochs)  # the same loss and accuracy: exact resume
     assert float(resumed[1][2]) < float(resumed[0][2]), second.output
+
+
+def test_readme_example_resumes_under_torchrun_on_another_number_of_ranks(tmp_path):
+    """A checkpoint of 2 ranks resumed by ``torchrun --nproc-per-node 4`` with the same file."""
+    (tmp_path / "train.py").write_text(readme_example())
+    torchrun = ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node"]
+    first = run_cli([*torchrun, "2", "train.py"], env={"EPOCHS": "1"}, cwd=str(tmp_path),
+                    timeout_s=240)  # fmt: skip
+    assert first.returncode == 0, first.output
+    per_epoch = SAMPLES // BATCH // 2  # 32 steps of 64 x 2; checkpoints at 20 (mid-epoch) only
+    assert [(e, s) for e, s, _, _ in _epochs(first.output)] == [(0, per_epoch)], first.output
+    second = run_cli([*torchrun, "4", "train.py"], env={"EPOCHS": "2"}, cwd=str(tmp_path),
+                     timeout_s=240)  # fmt: skip
+    assert second.returncode == 0, second.output
+    assert "(step 20) on 4 ranks, written by 2: the data goes on" in second.output
+    # the rest of epoch 0 is 4096 - 20 x 128 = 1536 samples: 6 steps of 64 x 4 ranks, so every
+    # remaining sample once (the loader's own count); then whole epochs of 16 steps
+    assert [(e, s) for e, s, _, _ in _epochs(second.output)] == [(0, 26), (1, 42)], second.output

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import random
 import signal
 import subprocess
@@ -76,11 +77,14 @@ def test_load_model_state_accepts_module_prefix_and_refuses_no_match():
         ddpkit.load_model_state(model, {"encoder.w": torch.ones(1)}, strict=False)
 
 
-def test_world_size_change_is_refused_naming_both(tmp_path):
-    ckpt, model = _save_steps(tmp_path, [3])
+def test_another_world_size_resumes_and_says_so_naming_both(tmp_path, caplog):
+    _save_steps(tmp_path, [3])
     two = Runtime(ProcessInfo(rank=0, world_size=2, local_world_size=2))
-    with pytest.raises(ddpkit.ConfigError, match=r"world_size 1 \(this job: 2\)"):
-        ddpkit.CheckpointManager(tmp_path, two, state={"model": model}).resume()
+    fresh = nn.Linear(3, 2)
+    with caplog.at_level(logging.INFO, logger="ddpkit"):
+        step = ddpkit.CheckpointManager(tmp_path, two, state={"model": fresh}).resume()
+    assert step == 3 and torch.equal(fresh.weight, torch.full((2, 3), 3.0))
+    assert "(step 3) on 2 ranks, written by 1: the data goes on at the saved sample" in caplog.text
 
 
 @pytest.mark.slow

@@ -6,9 +6,10 @@ consolidated first; the LR scheduler, grad scaler, an EMA, the sharded loader's 
 the epoch, ...), the step, every rank's RNG states (torch, CUDA, numpy, python) and the world
 size.
 Resuming puts all of them back, so a run stopped at step k and resumed ends bitwise equal to an
-uninterrupted run. Replicated state is written by rank 0 after it was compared across ranks
-(:mod:`ddpkit.checkpoint.consistency`): a copy that differs on some rank is reported, never
-silently dropped.
+uninterrupted run; on another world size the loader's global position re-shards the rest of the
+epoch (see :meth:`CheckpointManager.resume`). Replicated state is written by rank 0 after it was
+compared across ranks (:mod:`ddpkit.checkpoint.consistency`): a copy that differs on some rank
+is reported, never silently dropped.
 
 Example::
 
@@ -56,8 +57,10 @@ from ddpkit.checkpoint.objects import (
     is_local_sgd_optimizer,
     is_zero_optimizer,
 )
-from ddpkit.checkpoint.state import load_model_state, rng_state, set_rng_state
+from ddpkit.checkpoint.rng import restore_rng_state
+from ddpkit.checkpoint.state import load_model_state, rng_state
 from ddpkit.distributed.collectives import all_gather_object, all_reduce_sum, barrier
+from ddpkit.distributed.loader import ShardedLoader
 from ddpkit.distributed.process_group import Runtime
 from ddpkit.errors import ConfigError, DataError, DistributedError
 from ddpkit.guards.replicas import buffer_fix
@@ -67,19 +70,18 @@ from ddpkit.parallel.wrap import unwrap_model
 log = get_logger("checkpoint")
 
 
-def check_compatible(folder: Path, manifest: dict, world_size: int, extra: dict | None) -> None:
-    """Refuse a checkpoint written by another world size or with other run settings.
+def check_compatible(folder: Path, manifest: dict, extra: dict | None) -> None:
+    """Refuse a checkpoint written with other run settings.
 
-    ``extra`` holds settings that must be equal (for ``ddpkit train``: batch size, epochs, lr,
-    ...): resuming with a different batch size would skip the wrong samples, and a different
-    number of epochs would not match the saved LR schedule.
+    ``extra`` holds settings that must be equal (for ``ddpkit train``: epochs, lr, the global
+    batch, ...): a different number of epochs would not match the saved LR schedule. The
+    world size may differ (the data position is global; see :meth:`CheckpointManager.resume`).
+    A setting the checkpoint does not record (written before it existed) is not compared.
 
     Raises:
         ConfigError: names the checkpoint, each differing setting, and both values.
     """
     problems = []
-    if manifest.get("world_size") != world_size:
-        problems.append(f"world_size {manifest.get('world_size')} (this job: {world_size})")
     saved = manifest.get("extra") or {}
     for key, value in (extra or {}).items():
         if key in saved and saved[key] != value:
@@ -87,8 +89,8 @@ def check_compatible(folder: Path, manifest: dict, world_size: int, extra: dict 
     if problems:
         raise ConfigError(
             f"checkpoint {folder} does not match this job: it was written with "
-            f"{'; '.join(problems)}. Resume with the same settings and number of processes, "
-            "or start fresh without --resume."
+            f"{'; '.join(problems)}. Resume with the same settings (another number of "
+            "processes is fine), or start fresh without --resume."
         )
 
 
@@ -334,7 +336,13 @@ class CheckpointManager:
         abandoned future, e.g. when ``path`` names an older one) are deleted, so later saves and
         ``resume`` calls never mix two histories. Only resume checkpoints you trust: the state
         is unpickled. A ``ZeroRedundancyOptimizer`` takes its own shard of the consolidated
-        state.
+        state (on any number of ranks).
+
+        Another world size resumes too: replicated state loads as it is, a
+        :class:`~ddpkit.ShardedLoader` re-shards the rest of its epoch over the new ranks (each
+        remaining sample once), RNG states follow :mod:`ddpkit.checkpoint.rng`, and the info
+        line names both sizes. Keeping the global batch is the caller's
+        (:func:`ddpkit.fit_global_batch`).
 
         Collective: call on every rank; the ranks check they resumed the same checkpoint. At
         world size 1 no collective runs.
@@ -343,8 +351,10 @@ class CheckpointManager:
             path: a ``step-XXXXXXXX`` folder to resume instead of the newest complete one.
 
         Raises:
-            ConfigError: the manager was built without ``state``; the checkpoint was written by
-                another world size or other settings (see :func:`check_compatible`).
+            ConfigError: the manager was built without ``state``; the checkpoint was written
+                with other settings (see :func:`check_compatible`); a loader position that
+                cannot go on at this world size (a stream inside an epoch, see
+                :meth:`ShardedLoader.load_state_dict`), raised before anything is loaded.
             DataError: ``path`` is corrupt or incomplete; a managed object has no state in the
                 checkpoint.
             DistributedError: the ranks found different newest checkpoints.
@@ -352,7 +362,7 @@ class CheckpointManager:
         Example:
             >>> step = ckpt.resume()  # doctest: +SKIP
         """
-        managed = self._managed("resume")
+        self._managed("resume")
         if path is not None:
             found: tuple[Path, dict[str, Any]] | None = (Path(path), load_checkpoint(Path(path)))
         else:
@@ -367,21 +377,44 @@ class CheckpointManager:
         if found is None:
             return 0
         folder, state = found
-        check_compatible(folder, read_manifest(folder), self.runtime.world_size, self.extra)
-        saved = _saved_state(folder, state)
-        check_saved_state(folder, saved, managed)
-        modules = [n for n, obj in managed.items() if isinstance(obj, torch.nn.Module)]
-        for name in modules + [n for n in managed if n not in modules]:  # modules first
-            if name in modules:
-                load_model_state(managed[name], saved[name])
-            else:
-                managed[name].load_state_dict(saved[name])
-        set_rng_state(state["rng_per_rank"][self.runtime.rank])
+        manifest = read_manifest(folder)
+        check_compatible(folder, manifest, self.extra)
+        note = self._restore(folder, state, int(manifest.get("world_size") or 0))
         barrier(self.runtime)  # every rank has read it before newer ones are removed
         if self.runtime.is_rank_zero:
             for newer in list_checkpoints(self.directory):
                 if int(newer.name[5:]) > int(state["step"]):
                     shutil.rmtree(newer, ignore_errors=True)
         barrier(self.runtime)
-        log.info("resumed from %s (step %d)", folder, state["step"])
+        log.info("resumed from %s (step %d)%s", folder, state["step"], note)
         return int(state["step"])
+
+    def _restore(self, folder: Path, state: dict[str, Any], saved_world_size: int) -> str:
+        """Load every managed object and this rank's RNG states; returns the log's note on a
+        resume at another world size ("" at the same one).
+
+        Loaders go first (their state is checked before anything else changes), then modules,
+        then the rest (optimizers after the parameters they hold state for).
+        """
+        managed = self.state
+        saved = _saved_state(folder, state)
+        check_saved_state(folder, saved, managed)
+        rng_per_rank = state["rng_per_rank"]
+        saved_world_size = saved_world_size or len(rng_per_rank)
+        world_size = self.runtime.world_size
+        loaders = [n for n, obj in managed.items() if isinstance(obj, ShardedLoader)]
+        modules = [n for n, obj in managed.items() if isinstance(obj, torch.nn.Module)]
+        for name in loaders + modules + [n for n in managed if n not in loaders + modules]:
+            if name in loaders:  # an old state has no world size: it is the manifest's
+                managed[name].load_state_dict({"world_size": saved_world_size, **saved[name]})
+            elif name in modules:
+                load_model_state(managed[name], saved[name])
+            else:
+                managed[name].load_state_dict(saved[name])
+        rng = restore_rng_state(rng_per_rank, self.runtime.rank, world_size, step=state["step"])
+        if saved_world_size == world_size:
+            return ""
+        return (
+            f" on {world_size} ranks, written by {saved_world_size}: the data goes on at the "
+            f"saved sample of its epoch, re-sharded over {world_size} ranks; {rng}"
+        )

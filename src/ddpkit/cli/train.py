@@ -18,12 +18,11 @@ from pathlib import Path
 
 import torch
 
-from ddpkit.app.mnist.config import SECTIONS, TrainConfig, check, resume_settings
+from ddpkit.app.mnist.config import SECTIONS, TrainConfig, check
 from ddpkit.app.mnist.data import RANK_MEMORY_MIB, DataSource, resolve_data
 from ddpkit.app.mnist.job import train_mnist
-from ddpkit.app.mnist.resume import interrupted_note
-from ddpkit.checkpoint.io import read_manifest
-from ddpkit.checkpoint.manager import check_compatible, newest_manifest
+from ddpkit.app.mnist.resume import checkpoint_settings, interrupted_note, plan_batch
+from ddpkit.checkpoint.manager import check_compatible
 from ddpkit.cli.flags import add_settings_arguments, given_settings
 from ddpkit.distributed.env import detect_process_info
 from ddpkit.files import make_output_folder
@@ -170,13 +169,15 @@ def _train_here(config: TrainConfig, source: DataSource, *, worker: bool) -> int
 
 
 def _check_resume(config: TrainConfig, source: DataSource, nproc: int) -> None:
-    """Refuse, before any worker starts, a resume that the workers would refuse."""
+    """Refuse, before any worker starts, a resume that the workers would refuse: settings that
+    differ from the checkpoint's, or a global batch that cannot split over ``nproc``. (The
+    workers split it the same way; rank 0 says how.)"""
     if not config.resume:
         return
-    directory = Path(config.output_dir) / "checkpoints"
-    found = newest_manifest(directory) if config.resume == "auto" else None
-    if config.resume != "auto":
-        found = (Path(config.resume), read_manifest(Path(config.resume)))
-    if found is not None:
-        settings = {**resume_settings(config), "dataset": source.dataset}
-        check_compatible(found[0], found[1], nproc, settings)
+    plan = plan_batch(config, nproc)
+    if plan.found is None:
+        return
+    run_config = dataclasses.replace(config, batch_size=plan.batch_size, grad_accum=plan.grad_accum)
+    check(run_config, world_size=nproc)  # e.g. a static graph with the micro-steps chosen here
+    folder, manifest = plan.found
+    check_compatible(folder, manifest, checkpoint_settings(run_config, source.dataset, plan))

@@ -55,23 +55,47 @@ class UnpaddedDistributedSampler(Sampler[int]):
 
 
 class ResumableDistributedSampler(DistributedSampler):
-    """torch's ``DistributedSampler`` that can start its next pass part-way into the shard.
+    """torch's ``DistributedSampler`` whose next pass can resume part-way into the epoch, on any
+    number of ranks.
 
-    ``start_index`` (set by :meth:`ShardedLoader.load_state_dict`) drops that many of this
-    rank's indices from the next pass only; the permutation itself is torch's, unchanged.
+    An epoch is a sequence of global positions: position ``p`` holds index ``order[p % N]``, with
+    ``order`` torch's permutation of the epoch (from ``seed + epoch``) and ``N`` the dataset
+    length, so positions past ``N`` repeat the first indices exactly as torch pads. torch gives
+    rank ``r`` of ``W`` the positions ``r, r + W, ...`` below its ``total_size``. ``span = (start,
+    end)`` (set by :meth:`ShardedLoader.__iter__`) makes the next pass take positions ``start + r,
+    start + r + W, ...`` below ``end`` instead: at the world size that wrote ``start`` this is
+    torch's shard without its first ``start / W`` indices, bitwise; at another world size it
+    re-shards the rest of the epoch among the new ranks.
     """
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        self.start_index = 0
+        self.span: tuple[int, int] | None = None
+
+    def epoch_order(self) -> list[int]:
+        """The epoch's permutation of every index, unpadded: torch's own, drawn by a one-replica
+        ``DistributedSampler`` with this sampler's seed, shuffle and epoch."""
+        whole = DistributedSampler(
+            self.dataset, num_replicas=1, rank=0, shuffle=self.shuffle, seed=self.seed
+        )
+        whole.set_epoch(self.epoch)
+        return list(whole)
 
     def __iter__(self) -> Iterator[int]:
-        indices = list(super().__iter__())
-        start, self.start_index = self.start_index, 0
-        return iter(indices[start:])
+        span, self.span = self.span, None
+        if span is None:
+            return super().__iter__()
+        order = self.epoch_order()
+        start, end = span
+        return iter(
+            [order[p % len(order)] for p in range(start + self.rank, end, self.num_replicas)]
+        )
 
     def __len__(self) -> int:
-        return self.num_samples - self.start_index
+        if self.span is None:
+            return self.num_samples
+        start, end = self.span
+        return len(range(start + self.rank, end, self.num_replicas))
 
 
 def _refuse_persistent_workers(loader_kwargs: dict) -> None:
@@ -127,6 +151,11 @@ def build_train_loader(
     batch)`` and the global RNG states are restored after it (so loading never shifts the
     training stream). A dataset that keeps its own generator should seed it from
     ``torch.initial_seed()`` inside ``__getitem__``, which torch sets per worker.
+
+    The loader's position (``state_dict``) is global for a map-style dataset: a checkpoint
+    resumes on any number of ranks, the rest of the epoch re-sharded, each remaining sample once
+    (:class:`ResumableDistributedSampler`; keep the global batch with
+    :func:`ddpkit.fit_global_batch`).
 
     A stream (``IterableDataset``) is split by rank x worker (every ``world_size *
     num_workers``-th item; :mod:`ddpkit.distributed.streams`), its last row padded with its

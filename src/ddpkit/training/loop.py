@@ -101,7 +101,7 @@ def _verify_even(step: TrainStep, batches: Iterable[Any], max_steps: int | None)
     if isinstance(batches, ShardedLoader):
         if batches.full_pass_batches() is None:  # a stream: even by design
             return
-        num_batches = len(batches) - batches.state_dict()["batches_done"]
+        num_batches = batches.next_pass_size()[0]
     elif isinstance(batches, Sized):
         num_batches = len(batches)
     else:

@@ -235,8 +235,9 @@ class CheckpointConfig:
         "(0 = never; keeps the last 3)", check=at_least(0), metavar="STEPS",
     )  # fmt: skip
     resume: str = option(
-        "", "resume from the newest complete checkpoint in OUTPUT_DIR (auto) or from PATH",
-        check=_resume_rule, metavar="auto|PATH",
+        "", "resume from the newest complete checkpoint in OUTPUT_DIR (auto) or from PATH; "
+        "another --nproc keeps the checkpoint's global batch (per-rank batch and micro-steps "
+        "chosen again, said in one line)", check=_resume_rule, metavar="auto|PATH",
     )  # fmt: skip
 
 

@@ -8,6 +8,7 @@ Run it (the launcher starts the ranks; this module is what each rank executes)::
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 import signal
@@ -20,11 +21,12 @@ import torch
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from ddpkit.app.mnist.config import TrainConfig, check, resume_settings
+from ddpkit.app.mnist.config import TrainConfig, check
 from ddpkit.app.mnist.data import DataSource
 from ddpkit.app.mnist.model import build_model, build_optimizer
 from ddpkit.app.mnist.monitor import TrainingMonitor
 from ddpkit.app.mnist.outputs import finite_or_none, reset_outputs
+from ddpkit.app.mnist.resume import BatchPlan, checkpoint_settings, plan_batch
 from ddpkit.checkpoint.manager import CheckpointManager
 from ddpkit.distributed.process_group import Runtime
 from ddpkit.distributed.sampler import ShardedLoader, build_eval_loader, build_train_loader
@@ -171,8 +173,14 @@ class MnistTraining:
         return self.optimizer.averager if self.optimizer is not self.inner_optimizer else None
 
 
-def build_training(config: TrainConfig, runtime: Runtime, source: DataSource) -> MnistTraining:
+def build_training(
+    config: TrainConfig, runtime: Runtime, source: DataSource, *, plan: BatchPlan | None = None
+) -> MnistTraining:
     """Data, wrapped model, optimizer, precision, LR schedule and checkpoint manager.
+
+    ``config`` holds the per-rank batch and micro-steps this world size runs with; ``plan``
+    (:func:`~ddpkit.app.mnist.resume.plan_batch`, default: ``config``'s own, a fresh start) the
+    batch settings the checkpoints record.
 
     Collective: call on every rank (DDP's broadcast of rank 0's parameters).
     """
@@ -201,7 +209,10 @@ def build_training(config: TrainConfig, runtime: Runtime, source: DataSource) ->
         "scaler": precision.scaler,
         "loader": train_loader,
     }
-    settings = {**resume_settings(config), "dataset": source.dataset}
+    if plan is None:
+        requested = (config.batch_size, config.grad_accum)
+        plan = BatchPlan(*requested, requested[0] * requested[1] * runtime.world_size, requested)
+    settings = checkpoint_settings(config, source.dataset, plan)
     ckpt = CheckpointManager(
         Path(config.output_dir) / "checkpoints", runtime, state=state,
         every_steps=config.checkpoint_every, extra=settings,
@@ -212,10 +223,12 @@ def build_training(config: TrainConfig, runtime: Runtime, source: DataSource) ->
     )  # fmt: skip
 
 
-def _resume(config: TrainConfig, job: MnistTraining) -> int:
+def _resume(config: TrainConfig, job: MnistTraining, plan: BatchPlan) -> int:
     """The step ``--resume`` restored (0: a fresh start). Collective: call on every rank."""
     if not config.resume:
         return 0
+    if plan.note:
+        get_logger("train").info(plan.note)
     path = None if config.resume == "auto" else config.resume
     step = job.ckpt.resume(path)
     if path is None and step == 0:
@@ -264,8 +277,11 @@ def train_mnist(config: TrainConfig, runtime: Runtime, source: DataSource) -> di
     output_dir = Path(config.output_dir)
     kill_at = _fault_injection(runtime)
     check(config, world_size=runtime.world_size)
-    job = build_training(config, runtime, source)
-    first_step = _resume(config, job)
+    plan = plan_batch(config, runtime.world_size)  # a resume keeps its global batch
+    config = dataclasses.replace(config, batch_size=plan.batch_size, grad_accum=plan.grad_accum)
+    check(config, world_size=runtime.world_size)
+    job = build_training(config, runtime, source, plan=plan)
+    first_step = _resume(config, job, plan)
     reset_outputs(output_dir, runtime, job.train_loader.epoch if first_step else None, first_step)
     timer = StepTimer(runtime, enabled=config.step_timing)
     monitor = TrainingMonitor(

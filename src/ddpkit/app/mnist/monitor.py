@@ -76,11 +76,9 @@ def open_tensorboard(output_dir: Path, runtime: Runtime, mode: str, purge_step: 
     return SummaryWriter(log_dir=str(output_dir / "tensorboard"), purge_step=purge_step)
 
 
-def remaining_samples(loader: ShardedLoader, world_size: int) -> int:
+def remaining_samples(loader: ShardedLoader) -> int:
     """Global samples the loader's next pass yields (after a resume: what is left of it)."""
-    batch_size = loader.loader.batch_size or 1
-    per_rank = min(loader.sampler.num_samples, len(loader) * batch_size)
-    return max(per_rank - loader.state_dict()["batches_done"] * batch_size, 0) * world_size
+    return loader.next_pass_size()[1] or 0
 
 
 class TrainingMonitor:
@@ -123,7 +121,7 @@ class TrainingMonitor:
     def start_epoch(self, epoch: int, num_epochs: int, loader: ShardedLoader) -> None:
         """Open the epoch's progress bar (rank 0) before the epoch's first step."""
         self.epoch = epoch
-        total = remaining_samples(loader, self.runtime.world_size)
+        total = remaining_samples(loader)
         self.bar = progress_bar(self.runtime, total, self.progress, f"epoch {epoch}/{num_epochs}")
         self._log_mark = (time.perf_counter(), 0)
 
