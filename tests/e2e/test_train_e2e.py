@@ -118,6 +118,8 @@ def test_killed_rank_restarts_and_resumes_to_the_same_parameters(tmp_path):
     )
     assert faulty.returncode == 0, faulty.output
     assert "resumed from" in faulty.stdout and "step-00000008 (step 8)" in faulty.stdout
+    restart_line = "ddpkit: restart 1 of 1: the job failed (the error above); all 2 processes"
+    assert faulty.stderr.count(restart_line) == 1 and "ddpkit: restart" not in plain.output
     runs = ("plain", "faulty")
     summaries = [json.loads((tmp_path / d / "summary.json").read_text()) for d in runs]
     assert summaries[0]["final_step"] == summaries[1]["final_step"] == 24
