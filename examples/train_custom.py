@@ -17,11 +17,13 @@ from torch.utils.data import TensorDataset
 import ddpkit
 
 
-def make_data(num_samples: int) -> TensorDataset:
-    """A learnable toy problem: the class is which of 4 input coordinates is largest."""
+def make_splits(num_train: int, num_test: int) -> tuple[TensorDataset, TensorDataset]:
+    """A learnable toy problem (the class is which of 4 input coordinates is largest), split
+    into training rows and held-out test rows that training never sees."""
     gen = torch.Generator().manual_seed(0)
-    x = torch.randn(num_samples, 4, generator=gen)
-    return TensorDataset(x, x.argmax(dim=1))
+    x = torch.randn(num_train + num_test, 4, generator=gen)
+    y = x.argmax(dim=1)
+    return TensorDataset(x[:num_train], y[:num_train]), TensorDataset(x[num_train:], y[num_train:])
 
 
 def main() -> None:
@@ -37,8 +39,9 @@ def main() -> None:
         torch.manual_seed(0)
         model = ddpkit.wrap_model(nn.Sequential(nn.Linear(4, 32), nn.ReLU(), nn.Linear(32, 4)), rt)
         optimizer = torch.optim.SGD(model.parameters(), lr=0.2)
-        train = ddpkit.build_train_loader(make_data(2048), rt, batch_size=args.batch_size, seed=0)
-        test = ddpkit.build_eval_loader(make_data(500), rt, batch_size=100)
+        train_set, test_set = make_splits(2048, 500)
+        train = ddpkit.build_train_loader(train_set, rt, batch_size=args.batch_size, seed=0)
+        test = ddpkit.build_eval_loader(test_set, rt, batch_size=100)  # held-out rows
         for epoch in range(args.epochs):
             for x, y in train:  # the sampler's epoch advances by itself on each pass
                 optimizer.zero_grad()
@@ -46,7 +49,7 @@ def main() -> None:
                 optimizer.step()
             metrics = ddpkit.evaluate(model, test, rt)  # every test sample counted once
             log.info(
-                "epoch %d: test accuracy %.3f on %d samples",
+                "epoch %d: test accuracy %.3f on %d held-out samples",
                 epoch,
                 metrics["accuracy"],
                 metrics["num_samples"],

@@ -143,7 +143,7 @@ def test_example_runs_under_ddpkit_run_and_plain_torchrun():
         assert "rank 0 of world_size 2 on cpu" in result.stdout
         assert "rank 1 of world_size 2 on cpu" in result.stdout
         assert result.stdout.count("test accuracy") == 1  # logged once, by rank 0
-        assert "on 500 samples" in result.stdout
+        assert "on 500 held-out samples" in result.stdout
 
 
 def _record(

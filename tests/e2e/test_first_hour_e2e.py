@@ -6,24 +6,43 @@ Each test runs ``ddpkit train`` as a user would, in a subprocess with a hard tim
 from __future__ import annotations
 
 import json
+import re
+import shlex
 import time
+from pathlib import Path
 
 import pytest
 
 from tests.helpers import run_cli
 
+README = Path(__file__).resolve().parents[2] / "README.md"
 DIGITS_2_RANKS = ["-m", "ddpkit", "train", "--dataset", "digits", "--nproc", "2"]
 
 
-def test_digits_at_defaults_reaches_095_in_seconds(tmp_path):
-    # the offline first run: no --epochs, so ddpkit picks the digits model and epoch count
+def readme_main_command() -> list[str]:
+    """The ``ddpkit`` arguments of the README's main command (``... && .venv/bin/ddpkit ARGS``)."""
+    found = re.findall(
+        r"^bash scripts/setup\.sh && \.venv/bin/ddpkit (.+)$", README.read_text(), re.M
+    )
+    assert len(found) == 1, "README.md must hold the main command once"
+    return shlex.split(found[0])
+
+
+def test_the_readme_main_command_offline_reaches_095_in_seconds(tmp_path):
+    # the offline first run, as typed from the README: ddpkit picks the digits model and epochs
     pytest.importorskip("sklearn")
-    out = tmp_path / "run"
+    offline = {
+        "DDPKIT_CACHE_DIR": str(tmp_path / "cache"),
+        "DDPKIT_MNIST_MIRRORS": "http://127.0.0.1:1/",  # loopback, nothing listening
+    }
     start = time.monotonic()
-    result = run_cli([*DIGITS_2_RANKS, "--output-dir", str(out)], timeout_s=240)
+    result = run_cli(
+        ["-m", "ddpkit", *readme_main_command()], env=offline, cwd=str(tmp_path), timeout_s=240
+    )
     wall_s = time.monotonic() - start
     assert result.returncode == 0, result.output
-    summary = json.loads((out / "summary.json").read_text())
+    assert result.stdout.count("MNIST unavailable") == 1
+    summary = json.loads((tmp_path / "runs" / "mnist" / "summary.json").read_text())
     assert summary["dataset"] == "digits" and summary["test_samples"] == 360
     assert summary["test_accuracy"] >= 0.95, (summary["test_accuracy"], wall_s)
     # about the time of the 1-epoch MNIST-CNN run it replaces (12 s on 2 busy cores)
@@ -47,7 +66,7 @@ def test_offline_fallback_says_model_and_epochs_in_its_one_line(tmp_path):
     result = run_cli(explicit, env=offline, timeout_s=180)
     assert result.returncode == 0, result.output
     (note,) = [line for line in result.stdout.splitlines() if "MNIST unavailable" in line]
-    assert "2 epochs" in note and "20 epochs" not in note, note
+    assert "for 2 epochs (your --epochs; without it 20 epochs, which reach" in note, note
     assert json.loads((tmp_path / "b" / "summary.json").read_text())["epochs"] == 2
 
 

@@ -81,3 +81,35 @@ def test_readme_example_resumes_under_torchrun_on_another_number_of_ranks(tmp_pa
     # the rest of epoch 0 is 4096 - 20 x 128 = 1536 samples: 6 steps of 64 x 4 ranks, so every
     # remaining sample once (the loader's own count); then whole epochs of 16 steps
     assert [(e, s) for e, s, _, _ in _epochs(second.output)] == [(0, 26), (1, 42)], second.output
+
+
+README_MODEL = (
+    "    model = ddpkit.wrap_model("
+    "nn.Sequential(nn.Linear(8, 64), nn.ReLU(), nn.Linear(64, 8)), rt)"
+)
+BATCHNORM_CNN = """\
+    net = nn.Sequential(nn.Unflatten(1, (1, 8)), nn.Conv1d(1, 16, 3, padding=1),
+                        nn.BatchNorm1d(16), nn.ReLU(), nn.Flatten(), nn.Linear(128, 8))
+    model = ddpkit.wrap_model(net, rt, sync_batchnorm=True, bucket_cap_mb=5)
+    print("norm layer:", type(ddpkit.unwrap_model(model)[2]).__name__, flush=True)"""
+
+
+@pytest.mark.parametrize("launch", sorted(LAUNCHES))
+def test_readme_pattern_with_a_batchnorm_cnn_and_sync_batchnorm(launch, tmp_path):
+    # A port of the README's loop to a BatchNorm CNN with DDP options (#16 §4): the same file
+    # runs as `python train.py` (the options do nothing, said in one info line) and on 2 ranks.
+    world_size, command = LAUNCHES[launch]
+    example = readme_example()
+    assert example.count(README_MODEL) == 1
+    (tmp_path / "train.py").write_text(example.replace(README_MODEL, BATCHNORM_CNN))
+    result = run_cli(command, env={"EPOCHS": "2"}, cwd=str(tmp_path), timeout_s=240)
+    assert result.returncode == 0, result.output
+    per_epoch = SAMPLES // BATCH // world_size
+    epochs = _epochs(result.output)
+    assert [(e, s) for e, s, _, _ in epochs] == [(0, per_epoch), (1, 2 * per_epoch)]
+    assert float(epochs[1][3]) > 0.5, result.output  # held-out accuracy on 8 classes
+    layers = re.findall(r"norm layer: (\w+)", result.stdout)
+    synced = ["CpuSyncBatchNorm"] * 2  # torch's SyncBatchNorm needs CUDA; ddpkit's on gloo
+    assert layers == (synced if world_size > 1 else ["BatchNorm1d"]), result.output
+    ignored = "sync_batchnorm=True, bucket_cap_mb=5: DDP options, in effect with 2 or more"
+    assert (ignored in result.output) == (world_size == 1), result.output

@@ -118,11 +118,34 @@ def test_killed_rank_restarts_and_resumes_to_the_same_parameters(tmp_path):
     )
     assert faulty.returncode == 0, faulty.output
     assert "resumed from" in faulty.stdout and "step-00000008 (step 8)" in faulty.stdout
+    restart_line = "ddpkit: restart 1 of 1: the job failed (the error above); all 2 processes"
+    assert faulty.stderr.count(restart_line) == 1 and "ddpkit: restart" not in plain.output
     runs = ("plain", "faulty")
     summaries = [json.loads((tmp_path / d / "summary.json").read_text()) for d in runs]
     assert summaries[0]["final_step"] == summaries[1]["final_step"] == 24
     models = [torch.load(tmp_path / d / "model.pt", weights_only=True) for d in runs]
     assert all(torch.equal(models[0][k], models[1][k]) for k in models[0])
+    # the resumed epoch's record covers the whole epoch (#16 §3): steps 1-8 of the first attempt
+    # and 9-12 of the restart. Both runs fold their sums at the same checkpoint steps (4, 8,
+    # 12), so the loss and samples are bitwise equal; the seconds are the two attempts' parts.
+    plain_epochs, faulty_epochs = (_records(tmp_path / d / "metrics.jsonl") for d in runs)
+    assert [r["epoch"] for r in faulty_epochs] == [1, 2]
+    for plain_record, faulty_record in zip(plain_epochs, faulty_epochs, strict=True):
+        assert faulty_record["train_loss"] == plain_record["train_loss"]
+        assert faulty_record["test_accuracy"] == plain_record["test_accuracy"]
+        assert plain_record["resumed_at_step"] is None and plain_record["whole_epoch"] is True
+    resumed = faulty_epochs[0]
+    assert resumed["train_samples"] == plain_epochs[0]["train_samples"] == 1438  # 719 per rank
+    assert resumed["samples_per_s"] * resumed["epoch_s"] == pytest.approx(1438)
+    assert resumed["resumed_at_step"] == 8 and resumed["whole_epoch"] is True
+    assert faulty_epochs[1]["resumed_at_step"] is None  # epoch 2 ran in one go
+    assert "(whole epoch, resumed at step 8)" in faulty.stdout
+    assert "differs across ranks" not in faulty.output  # the saved sums are every rank's
+    assert "resumed at step" not in plain.stdout
+
+
+def _records(path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines()]
 
 
 def test_failure_without_restarts_says_how_to_turn_them_on(tmp_path):

@@ -1,8 +1,9 @@
 """The docs say only what holds: every name they give as importable imports, every link resolves.
 
-Names: ``from ddpkit[.module] import A, B`` and ``ddpkit.a.b.C`` anywhere in README.md or
-docs/*.md (prose and code). Links: every relative ``[text](target)`` outside code blocks points
-to a file that exists, and a ``#anchor`` to a heading of that file (GitHub's slugs).
+Names: ``from ddpkit[.module] import A, B`` and ``ddpkit.a.b.C`` anywhere in README.md,
+docs/*.md (prose and code) or examples/*.py. Links: every relative ``[text](target)`` outside
+code blocks points to a file that exists, and a ``#anchor`` to a heading of that file (GitHub's
+slugs).
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import ddpkit
 
 REPO = Path(__file__).resolve().parents[2]
 DOCS = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
+EXAMPLES = sorted((REPO / "examples").glob("*.py"))
 
 FROM_IMPORT = re.compile(r"from (ddpkit(?:\.\w+)*) import (\([^)]*\)|[^\n#]+)")
 DOTTED = re.compile(r"(?<![\w./-])ddpkit(?:\.[A-Za-z_]\w*)+")
@@ -31,7 +33,7 @@ def _name(path: Path) -> str:
 def documented_names() -> dict[str, set[str]]:
     """``{dotted name: files that mention it}`` for every ddpkit name in the docs."""
     found: dict[str, set[str]] = {}
-    for doc in DOCS:
+    for doc in DOCS + EXAMPLES:
         text = doc.read_text()
         names = set(DOTTED.findall(text))
         for module, imported in FROM_IMPORT.findall(text):
@@ -59,6 +61,7 @@ NAMES = documented_names()
 
 def test_the_docs_mention_names_to_check():
     assert "ddpkit.init_runtime" in NAMES and "ddpkit.testing.run_distributed" in NAMES
+    assert "examples/train_custom.py" in NAMES["ddpkit.build_eval_loader"]
 
 
 @pytest.mark.parametrize("dotted", sorted(NAMES))

@@ -10,6 +10,7 @@ It runs the target as ``__main__`` (as ``python script.py`` would), and:
   (``KeyboardInterrupt``: recorded without a traceback, exit 130; the launcher says it once);
 - on every path: destroys any process group still alive, then leaves through ``os._exit`` after
   running ``atexit`` handlers and flushing stdio — see :func:`shutdown_and_exit` for why;
+- in a restarted attempt (``--max-restarts``): rank 0 says so in one line first;
 - for a native crash (a gloo abort, a segfault): ``faulthandler`` prints every thread's Python
   stack, and the last bytes of stderr are kept in the run folder for the launcher's summary
   (:mod:`ddpkit.launch.stderr_tail`).
@@ -186,9 +187,27 @@ def keep_stderr_tail() -> None:
         tee_stderr(tail_path(run_dir, restart, int(os.environ.get("RANK", 0))))
 
 
+def say_restart() -> None:
+    """Rank 0 of a restarted attempt says so in one line: the failure above it was not the end.
+
+    Without it, a restart under ``--max-restarts`` shows a rank's error, torchrun's log lines,
+    then the job's first lines again, with nothing between them saying the job goes on.
+    """
+    restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0))
+    if restart and os.environ.get("RANK", "0") == "0":
+        print(
+            f"ddpkit: restart {restart} of {os.environ.get('TORCHELASTIC_MAX_RESTARTS', '?')}: "
+            "the job failed (the error above); all "
+            f"{os.environ.get('WORLD_SIZE', '?')} processes start again",
+            file=sys.stderr,
+            flush=True,
+        )
+
+
 def main() -> None:
     die_with_launcher()
     keep_stderr_tail()
+    say_restart()
     line_buffer_stdio()
     faulthandler.enable(all_threads=True)  # a native crash still shows where Python was
     shutdown_and_exit(run_target(sys.argv[1:]))

@@ -14,6 +14,8 @@ and byte counting (see :mod:`ddpkit.parallel.comm`).
 
 from __future__ import annotations
 
+import functools
+import inspect
 import sys
 from typing import Any
 
@@ -93,7 +95,11 @@ def wrap_model(
 
     At world size 1 (``auto`` -> ``single``) the module itself is returned, without a DDP
     wrapper: reach its own attributes through :func:`unwrap_model` (``unwrap_model(model).x``),
-    which works at every world size, never ``model.x`` or ``model.module.x``.
+    which works at every world size, never ``model.x`` or ``model.module.x``. The DDP options
+    (``sync_batchnorm``, ``grad_compression``, ``**ddp_kwargs``) do nothing there, said in the
+    same info line, so one script runs unchanged as ``python train.py`` and under a launcher;
+    their values are still checked (an unknown DDP keyword fails at every world size). An
+    explicit ``strategy="single"`` or ``"dp"`` with them is refused instead.
 
     Args:
         model: an unwrapped ``nn.Module``.
@@ -116,8 +122,9 @@ def wrap_model(
         The wrapped model (the same module, moved, for ``single``).
 
     Raises:
-        ConfigError: unknown strategy or compression; the model is already wrapped; ``ddp``
-            options for ``single``/``dp``; ``dp`` without 2+ CUDA devices or with several
+        ConfigError: unknown strategy or compression; a keyword ``DistributedDataParallel``
+            does not take; the model is already wrapped; ``ddp`` options with an explicit
+            ``strategy="single"``/``"dp"``; ``dp`` without 2+ CUDA devices or with several
             processes.
         DistributedError: ``ddp`` asked for without a process group (world size 1).
         WrappedModelError: (``ddp``) the ranks' models differ in their trainable parameters.
@@ -142,12 +149,8 @@ def wrap_model(
 
         return wrap_data_parallel(model, runtime, device_ids)
     if strategy == "single":
-        get_logger("parallel").info(
-            "wrap_model: world_size=1, so the module itself is returned (no DDP wrapper, no "
-            ".module); reach its attributes with ddpkit.unwrap_model(model).x, which also "
-            "works under DDP."
-        )
-        return model.to(runtime.device)
+        unused = _ddp_options_given(grad_compression, sync_batchnorm, ddp_kwargs)
+        return _single(model, runtime, unused)
     if sync_batchnorm:
         from ddpkit.parallel.syncbn import convert_sync_batchnorm
 
@@ -197,28 +200,68 @@ def _check_wrap_args(
             "gradients twice. Pass the plain module (ddpkit.unwrap_model(model))."
         )
     check_compression(grad_compression, powersgd_rank, powersgd_start_step)
+    _check_ddp_kwargs(ddp_kwargs)
+    given = [name for name, _ in _ddp_options_given(grad_compression, sync_batchnorm, ddp_kwargs)]
+    if strategy in ("single", "dp") and given:  # explicit: auto at world size 1 ignores them
+        raise ConfigError(
+            f"DDP options {given} given for strategy={strategy!r}: they configure "
+            "DistributedDataParallel's gradient sync. Drop them, use strategy='ddp', or "
+            "strategy='auto' (at world_size=1 they then do nothing)."
+        )
     if strategy == "auto":
         strategy = "ddp" if runtime.world_size > 1 else "single"
-    if strategy != "ddp":
-        given = sorted(ddp_kwargs) + [
-            name
-            for name, on in (
-                ("grad_compression", grad_compression != "none"),
-                ("sync_batchnorm", sync_batchnorm),
-            )
-            if on
-        ]
-        if given:
-            raise ConfigError(
-                f"DDP options {given} given for strategy={strategy!r}: they configure "
-                "DistributedDataParallel's gradient sync. Drop them or use strategy='ddp'."
-            )
     if strategy == "ddp" and runtime.process_group is None:
         raise DistributedError(
             "strategy='ddp' needs a process group, and world_size=1 has none. Launch several "
             "processes (ddpkit run -n 2 ... / torchrun), or use strategy='single'."
         )
     return strategy
+
+
+def _single(model: nn.Module, runtime: Runtime, unused: list[tuple[str, Any]]) -> nn.Module:
+    """``strategy="auto"`` at world size 1: the module on the device; ``unused`` DDP options
+    (only ``auto`` gets here with any) are said to do nothing, in the same info line."""
+    note = ", ".join(f"{name}={value!r}" for name, value in unused)
+    get_logger("parallel").info(
+        "wrap_model: world_size=1, so the module itself is returned (no DDP wrapper, no "
+        ".module); reach its attributes with ddpkit.unwrap_model(model).x, which also works "
+        "under DDP.%s",
+        f" {note}: DDP options, in effect with 2 or more processes; at world_size=1 they do "
+        "nothing." if note else "",
+    )  # fmt: skip
+    return model.to(runtime.device)
+
+
+def _ddp_options_given(
+    grad_compression: str, sync_batchnorm: bool, ddp_kwargs: dict[str, Any]
+) -> list[tuple[str, Any]]:
+    """``(name, value)`` of each DDP-only option given (not at its default)."""
+    given = [("grad_compression", grad_compression)] if grad_compression != "none" else []
+    given += [("sync_batchnorm", True)] if sync_batchnorm else []
+    return given + sorted(ddp_kwargs.items())
+
+
+@functools.cache
+def _ddp_keywords() -> frozenset[str]:
+    """The keywords ``DistributedDataParallel`` takes that ``wrap_model`` does not set itself."""
+    names = inspect.signature(DistributedDataParallel.__init__).parameters
+    return frozenset(names) - {"self", "module", "device_ids", "process_group"}
+
+
+def _check_ddp_kwargs(ddp_kwargs: dict[str, Any]) -> None:
+    """Refuse keywords DDP does not take, at every world size (a typo must not wait for 2+).
+
+    Raises:
+        ConfigError: names each unknown keyword and the ones DDP takes.
+    """
+    unknown = sorted(set(ddp_kwargs) - _ddp_keywords())
+    if unknown:
+        given = ", ".join(f"{name}={ddp_kwargs[name]!r}" for name in unknown)
+        raise ConfigError(
+            f"unknown DDP option for wrap_model: {given}. DistributedDataParallel takes "
+            f"{', '.join(sorted(_ddp_keywords()))} (wrap_model sets device_ids and "
+            "process_group). Fix the name or drop it."
+        )
 
 
 def model_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:

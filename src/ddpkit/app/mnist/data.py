@@ -325,9 +325,13 @@ class DataSource:
         chosen = DEFAULT_EPOCHS[self.dataset] if epochs is None else epochs
         if not self.note or self.dataset != "digits":
             return chosen, self
+        default = DEFAULT_EPOCHS[self.dataset]
         how = "--epochs to change" if epochs is None else "your --epochs"
+        if epochs is not None and epochs < default:  # e.g. --epochs 1, meant for MNIST
+            how += f"; without it {default} epochs, which reach test accuracy 0.95+"
         model = MODEL_NAMES[self.dataset]
-        note = f"{self.note.rstrip('.')}, with {model} for {chosen} epochs ({how})."
+        count = f"{chosen} epoch{'s' if chosen != 1 else ''}"
+        note = f"{self.note.rstrip('.')}, with {model} for {count} ({how})."
         return chosen, dataclasses.replace(self, note=note)
 
     def load(self, split: str) -> TensorDataset:

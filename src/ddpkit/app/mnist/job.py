@@ -23,6 +23,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from ddpkit.app.mnist.config import TrainConfig, check
 from ddpkit.app.mnist.data import DataSource
+from ddpkit.app.mnist.epoch_meter import EpochMeter, coverage_note
 from ddpkit.app.mnist.model import build_model, build_optimizer
 from ddpkit.app.mnist.monitor import TrainingMonitor
 from ddpkit.app.mnist.outputs import finite_or_none, reset_outputs
@@ -38,7 +39,7 @@ from ddpkit.parallel.comm import CommStats
 from ddpkit.parallel.local_sgd import enable_local_sgd
 from ddpkit.parallel.wrap import model_state_dict, wrap_model
 from ddpkit.training.evaluate import evaluate
-from ddpkit.training.loop import EpochLoss, train_epoch
+from ddpkit.training.loop import train_epoch
 from ddpkit.training.observe import StepTimer
 from ddpkit.training.precision import MixedPrecision
 from ddpkit.training.step import TrainStep
@@ -149,6 +150,8 @@ class MnistTraining:
         schedule: the one-cycle LR schedule over every epoch's optimizer steps.
         ckpt: the checkpoint manager of ``output_dir/checkpoints``.
         state: the objects a checkpoint saves and a resume restores, by name.
+        meter: the running figures of the current epoch (in ``state``: a resumed epoch's
+            record covers the whole epoch).
         settings: the settings a resumed run must share with its checkpoint.
         num_train: training samples; num_test: test samples.
     """
@@ -163,6 +166,7 @@ class MnistTraining:
     schedule: torch.optim.lr_scheduler.LRScheduler
     ckpt: CheckpointManager
     state: dict[str, Any]
+    meter: EpochMeter
     settings: dict[str, Any]
     num_train: int
     num_test: int
@@ -202,12 +206,14 @@ def build_training(
     schedule = torch.optim.lr_scheduler.OneCycleLR(
         inner_optimizer, max_lr=config.lr, total_steps=steps_per_epoch * config.epochs
     )
+    meter = EpochMeter()
     state = {
         "model": model,
         "optimizer": optimizer,
         "scheduler": schedule,
         "scaler": precision.scaler,
         "loader": train_loader,
+        "epoch_metrics": meter,
     }
     if plan is None:
         requested = (config.batch_size, config.grad_accum)
@@ -219,7 +225,7 @@ def build_training(
     )  # fmt: skip
     return MnistTraining(
         model, optimizer, inner_optimizer, comm_stats, train_loader, test_loader, precision,
-        schedule, ckpt, state, settings, len(train_set), len(test_set),
+        schedule, ckpt, state, meter, settings, len(train_set), len(test_set),
     )  # fmt: skip
 
 
@@ -268,7 +274,8 @@ def train_mnist(config: TrainConfig, runtime: Runtime, source: DataSource) -> di
         The summary dict (also written to ``output_dir/summary.json`` by rank 0): test_accuracy
         (0..1), test_loss, test_samples, train_set_size, world_size, backend, epochs,
         final_step, samples_per_s (global training samples per second of this process's
-        training time; after a resume, of the resumed part), wall_s, dataset,
+        training time; after a resume, of the epochs this process finished, an epoch resumed
+        inside counted whole), wall_s (of this process), dataset,
         comm_bytes_per_step (gradient plus local-SGD averaging payload bytes each rank handed
         to all-reduce per optimizer step, counted by ddpkit's DDP comm hook; 0 for a single
         process, null for dp). Non-finite values (a diverged run) are written as ``null``.
@@ -345,9 +352,9 @@ def _train_epochs(
         epoch = job.train_loader.epoch + 1
         epoch_bytes, epoch_first_step = _comm_bytes(job.comm_stats), train_step.num_steps
         monitor.start_epoch(epoch, config.epochs, job.train_loader)
-        train_loss, num_samples, epoch_s = _train_one_epoch(
-            config, runtime, job, train_step, monitor, kill_at
-        )
+        figures = _train_one_epoch(config, runtime, job, train_step, monitor, kill_at)
+        train_loss, num_samples = figures["train_loss"], figures["num_samples"]
+        epoch_s = figures["epoch_s"]  # training seconds of the epoch, across a restart
         monitor.close_bar()
         step_times = train_step.timer.epoch_summary(runtime)  # collective: one all-reduce
         _check_finite(train_loss, epoch, guarded=train_step.guard is not None)
@@ -362,6 +369,7 @@ def _train_epochs(
             "test_loss": test["loss"],
             "test_accuracy": test["accuracy"],
             "test_samples": test["num_samples"],
+            "train_samples": num_samples,
             "samples_per_s": num_samples / epoch_s,
             "epoch_s": epoch_s,
             "comm_bytes_per_step": _per_step(
@@ -369,8 +377,10 @@ def _train_epochs(
             ),
             "step": train_step.num_steps,
             **{k: v for k, v in step_times.items() if k.endswith("_per_step") or "memory" in k},
+            "resumed_at_step": figures["resumed_at_step"],  # train_loss...epoch_s: whole epoch
+            "whole_epoch": figures["whole_epoch"],
         }
-        _log_epoch(record, config.epochs)
+        _log_epoch(record, config.epochs, coverage_note(figures, train_step.num_steps))
         monitor.end_epoch(record, train_step.num_steps)
     return test, train_time_s, samples_total
 
@@ -382,16 +392,16 @@ def _train_one_epoch(
     train_step: TrainStep,
     monitor: TrainingMonitor,
     kill_at: int,
-) -> tuple[float, float, float]:
-    """One pass, step by step; returns ``(mean train loss over all ranks' samples, global
-    samples, seconds)``. Collective: call on every rank."""
-    model, comm_stats, averager = job.model, job.comm_stats, job.averager
-    epoch_loss, start = EpochLoss(), time.perf_counter()
+) -> dict[str, Any]:
+    """One pass (after a resume: the rest of it), step by step; returns the whole epoch's
+    figures (:meth:`EpochMeter.finish`). Collective: call on every rank."""
+    model, comm_stats, averager, meter = job.model, job.comm_stats, job.averager, job.meter
+    meter.start(job.train_loader.epoch + 1, train_step.num_steps)
     for result in train_epoch(train_step, job.train_loader, join=config.join):
         step = result.step
         if not result.skipped:  # the schedule counts the optimizer's real steps
             job.schedule.step()
-        epoch_loss.add(result)
+        meter.add(result)
         if comm_stats is not None:
             comm_stats.count_builtin_sync()  # the last backward synced (skipped or not)
         if step == kill_at:  # DDPKIT_FAULT_INJECT: this rank dies here (restart tests)
@@ -399,11 +409,11 @@ def _train_one_epoch(
         if config.check_replicas_every and step % config.check_replicas_every == 0:
             if averager is None or averager.just_averaged:  # local SGD: equal only then
                 check_replicas(model, runtime, step=step)
+        if job.ckpt.every_steps and step % job.ckpt.every_steps == 0:
+            meter.sync(runtime, step)  # the checkpoint holds every rank's sums so far
         job.ckpt.maybe_save(step)
         monitor.on_step(step, result)
-    seconds = time.perf_counter() - start
-    train_loss, num_samples = epoch_loss.reduce(runtime)  # collective
-    return train_loss, num_samples, seconds
+    return meter.finish(runtime, train_step.num_steps)  # collective
 
 
 def _check_finite(train_loss: float, epoch: int, *, guarded: bool) -> None:
@@ -422,11 +432,11 @@ def _check_finite(train_loss: float, epoch: int, *, guarded: bool) -> None:
     )
 
 
-def _log_epoch(record: dict, num_epochs: int) -> None:
+def _log_epoch(record: dict, num_epochs: int, note: str) -> None:
     get_logger("train").info(
-        "epoch %d/%d  train_loss %.4f  test_loss %.4f  test_acc %.4f  %.0f samples/s",
+        "epoch %d/%d  train_loss %.4f  test_loss %.4f  test_acc %.4f  %.0f samples/s%s",
         record["epoch"], num_epochs, record["train_loss"], record["test_loss"],
-        record["test_accuracy"], record["samples_per_s"],
+        record["test_accuracy"], record["samples_per_s"], note,
     )  # fmt: skip
 
 

@@ -24,6 +24,7 @@ from ddpkit.training.step import StepResult
 
 PROGRESS_MODES = ("auto", "on", "off")
 TENSORBOARD_MODES = ("auto", "off")
+_NOT_SCALARS = ("step", "epoch", "resumed_at_step")  # record keys that are no curve
 
 
 def progress_bar(runtime: Runtime, total: int, mode: str = "auto", desc: str = "") -> Any:
@@ -171,7 +172,9 @@ class TrainingMonitor:
         if self.writer is None:
             return
         for key, value in record.items():
-            if key not in ("step", "epoch") and isinstance(value, (int, float)):
+            if key in _NOT_SCALARS or isinstance(value, bool):
+                continue
+            if isinstance(value, (int, float)):
                 group = "step_time" if key.endswith("_s_per_step") else prefix
                 self.writer.add_scalar(f"{group}/{key}", value, global_step=step)
         self.writer.flush()
