@@ -217,7 +217,8 @@ def test_ddpkit_train_with_one_srun_task_per_rank(train_reference):
 
 def test_ddpkit_train_nproc_inside_one_srun_task(slurm_cluster, train_reference, tmp_path):
     _, reference = train_reference
-    argv = ["srun", "-n", "1", sys.executable, "-m", "ddpkit", "train", "--nproc", "2"]
+    argv = ["srun", "-n", "1", "--cpus-per-task=2", sys.executable, "-m", "ddpkit", "train"]
+    argv += ["--nproc", "2"]
     result = slurm_cluster.run(
         [*argv, *TRAIN, "--output-dir", str(tmp_path / "out")], cwd=tmp_path, env=ENV,
         timeout_s=240, check=False,
