@@ -62,7 +62,7 @@ def test_own_loop_under_srun_matches_ddpkit_run(slurm_cluster, tmp_path):
     (tmp_path / "run").mkdir()
     srun = slurm_cluster.run(
         ["srun", "-n", "2", "--kill-on-bad-exit=1", sys.executable, str(script), "srun"],
-        cwd=tmp_path, env=ENV, timeout_s=120,
+        cwd=tmp_path, env=ENV, timeout_s=100,
     )  # fmt: skip
     assert srun.returncode == 0, srun.output
     ranks = [torch.load(tmp_path / "srun" / f"rank{r}.pt", weights_only=False) for r in (0, 1)]
@@ -80,7 +80,10 @@ def test_own_loop_under_srun_matches_ddpkit_run(slurm_cluster, tmp_path):
         assert saved["env"]["GLOO_SOCKET_IFNAME"] == "lo"
     assert ranks[0]["env"] == ranks[1]["env"]
     reference = run_cli(
-        ["-m", "ddpkit", "run", "-n", "2", str(script), "run"], cwd=str(tmp_path), env=ENV
+        ["-m", "ddpkit", "run", "-n", "2", str(script), "run"],
+        cwd=str(tmp_path),
+        env=ENV,
+        timeout_s=100,
     )
     assert reference.returncode == 0, reference.output
     expected = torch.load(tmp_path / "run" / "rank0.pt", weights_only=False)["params"]
@@ -125,7 +128,7 @@ def _failing_rank(cluster, tmp_path: Path, name: str, text: str, *flags: str):
     script = _write(tmp_path / f"{name}.py", text)
     result = cluster.run(
         ["srun", "-n", "2", *flags, sys.executable, str(script)],
-        cwd=tmp_path, env=ENV, timeout_s=180, check=False,
+        cwd=tmp_path, env=ENV, timeout_s=100, check=False,
     )  # fmt: skip
     ended_at = time.time()
     fault = re.search(r"FAULT_AT ([\d.]+)", result.output)
@@ -190,7 +193,7 @@ def train_reference(slurm_cluster, tmp_path_factory):
     folder = tmp_path_factory.mktemp("srun-train")
     argv = ["srun", "-n", "2", "--kill-on-bad-exit=1", sys.executable, "-m", "ddpkit", "train"]
     result = slurm_cluster.run(
-        [*argv, *TRAIN, "--output-dir", str(folder / "out")], cwd=folder, env=ENV, timeout_s=240,
+        [*argv, *TRAIN, "--output-dir", str(folder / "out")], cwd=folder, env=ENV, timeout_s=180,
         check=False,
     )  # fmt: skip
     return result, folder / "out"
@@ -221,7 +224,7 @@ def test_ddpkit_train_nproc_inside_one_srun_task(slurm_cluster, train_reference,
     argv += ["--nproc", "2"]
     result = slurm_cluster.run(
         [*argv, *TRAIN, "--output-dir", str(tmp_path / "out")], cwd=tmp_path, env=ENV,
-        timeout_s=240, check=False,
+        timeout_s=180, check=False,
     )  # fmt: skip
     assert result.returncode == 0, result.output
     assert json.loads((tmp_path / "out" / "summary.json").read_text())["world_size"] == 2
@@ -236,6 +239,7 @@ def _wait_for(what: str, ready, timeout_s: float, details) -> None:
         time.sleep(0.05)
 
 
+@pytest.mark.timeout(480)  # a requeue alone takes ~11 s; under load the two runs take minutes
 def test_sbatch_job_stopped_by_usr1_requeues_itself_and_resumes(
     slurm_cluster, train_reference, tmp_path
 ):
@@ -250,19 +254,22 @@ def test_sbatch_job_stopped_by_usr1_requeues_itself_and_resumes(
     def details() -> str:
         return f"{slurm_cluster.job(job_id)}\n{log.read_text() if log.exists() else ''}"
 
+    def state() -> str:
+        now = slurm_cluster.job(job_id).get("JobState", "")
+        if now in ("FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY"):
+            pytest.fail(f"job {job_id} ended {now}\n{details()}")
+        return now
+
+    def checkpointed() -> bool:
+        return any((out / "checkpoints").glob("step-*")) or state() == "COMPLETED"
+
     # a complete checkpoint: every rank is in the training loop (a signal sent before a rank
     # has installed its handler would kill it; USR1's default action)
-    _wait_for("first checkpoint", lambda: any((out / "checkpoints").glob("step-*")), 180, details)
+    _wait_for("first checkpoint", checkpointed, 150, details)
+    assert state() == "RUNNING", f"the job ended before it could be signalled\n{details()}"
     slurm_cluster.run(["scancel", "--signal=USR1", "--batch", job_id], timeout_s=30)
     # what --signal=B:USR1@N does before the time limit: USR1 to the batch shell only
-
-    def finished() -> bool:
-        state = slurm_cluster.job(job_id).get("JobState")
-        if state in ("FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY"):
-            pytest.fail(f"job {job_id} ended {state}\n{details()}")
-        return state == "COMPLETED"
-
-    _wait_for("completed job", finished, 240, details)
+    _wait_for("completed job", lambda: state() == "COMPLETED", 300, details)
     text = log.read_text()
     assert slurm_cluster.job(job_id)["Restarts"] == "1", details()
     assert f"job {job_id} run 0 starts" in text and f"job {job_id} run 1 starts" in text
