@@ -163,12 +163,14 @@ class SlurmCluster:
         base: the scratch folder (config, munge key and socket, state, spool, logs).
         netns: the network namespace the daemons and the client commands run in.
         start_s: seconds from starting munged to sinfo showing the node idle.
+        install_s: seconds :func:`ensure_installed` spent (0.0: it was installed).
     """
 
     base: Path
     netns: str
     host: str
     start_s: float = 0.0
+    install_s: float = 0.0
     _netns_made: bool = field(default=False, repr=False)
 
     @property
