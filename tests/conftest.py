@@ -77,7 +77,12 @@ def mnist_dir() -> Path:
 
 # Tiers: every test gets the marker of its folder; `slow` is set by hand on the long ones.
 # The inner loop while changing code: pytest -m "not slow" (see README).
-_FOLDER_MARKERS = {"distributed": "distributed", "e2e": "e2e", "multinode": "multinode"}
+_FOLDER_MARKERS = {
+    "distributed": "distributed",
+    "e2e": "e2e",
+    "multinode": "multinode",
+    "slurm": "slurm",
+}
 
 
 def pytest_collection_modifyitems(config, items):
@@ -85,5 +90,5 @@ def pytest_collection_modifyitems(config, items):
         folder = Path(str(item.fspath)).parent.name
         if folder in _FOLDER_MARKERS:
             item.add_marker(getattr(pytest.mark, _FOLDER_MARKERS[folder]))
-        if folder in ("e2e", "multinode"):
+        if folder in ("e2e", "multinode", "slurm"):
             item.add_marker(pytest.mark.slow)

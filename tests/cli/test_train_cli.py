@@ -63,7 +63,7 @@ def test_slurm_task_trains_in_place_instead_of_launching(tmp_path, capsys, monke
         ["train", "--dataset", "digits", "--output-dir", str(tmp_path / "o")], capsys
     )
     assert code == 2
-    assert "MASTER_ADDR, MASTER_PORT not set (launcher=slurm)" in err
+    assert "MASTER_ADDR, MASTER_PORT not set (launcher=slurm). Under srun, export" in err
 
 
 def test_console_error_has_no_traceback(tmp_path):

@@ -115,3 +115,12 @@ def test_every_relative_link_points_to_an_existing_file_and_heading(doc, target)
         assert anchor in anchors(resolved), (
             f"{doc} links to {target}: no heading of {_name(resolved)} has the anchor #{anchor}"
         )
+
+
+def test_the_sbatch_script_in_the_slurm_docs_is_the_tested_file():
+    # tests/slurm submits examples/slurm/train.sbatch; docs/slurm.md must show that very file
+    script = (REPO / "examples" / "slurm" / "train.sbatch").read_text()
+    blocks = re.findall(
+        r"^```bash\n(.*?)^```", (REPO / "docs" / "slurm.md").read_text(), re.S | re.M
+    )
+    assert script in blocks

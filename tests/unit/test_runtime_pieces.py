@@ -10,7 +10,7 @@ from torch import nn
 from torch.utils.data import TensorDataset
 
 import ddpkit
-from ddpkit.distributed.env import ProcessInfo, detect_process_info
+from ddpkit.distributed.env import ProcessInfo, detect_process_info, slurm_rendezvous_defaults
 from ddpkit.distributed.process_group import Runtime
 from ddpkit.errors import ConfigError, DistributedError
 
@@ -78,6 +78,51 @@ def _runtime(rank: int = 0, world_size: int = 1) -> Runtime:
 )
 def test_detect_process_info(environ, expected):
     assert detect_process_info(environ) == expected
+
+
+_SLURM_STEP = {  # what srun gave each task of `srun -n 2` on one node (slurm-wlm 22.05)
+    "SLURM_PROCID": "1",
+    "SLURM_LOCALID": "1",
+    "SLURM_NODEID": "0",
+    "SLURM_NTASKS": "2",
+    "SLURM_STEP_NUM_TASKS": "2",
+    "SLURM_STEP_NUM_NODES": "1",
+    "SLURM_STEP_TASKS_PER_NODE": "2",
+    "SLURM_STEP_RESV_PORTS": "20019-20021",
+}
+
+
+@pytest.mark.parametrize(
+    "changes,expected",
+    [
+        ({}, {"MASTER_PORT": "20019", "MASTER_ADDR": "127.0.0.1", "GLOO_SOCKET_IFNAME": "lo"}),
+        ({"SLURM_STEP_RESV_PORTS": "12000"}, {"MASTER_PORT": "12000", "MASTER_ADDR": "127.0.0.1",
+                                              "GLOO_SOCKET_IFNAME": "lo"}),
+        # no reserved ports (slurm.conf without MpiParams=ports): the port is not guessed
+        ({"SLURM_STEP_RESV_PORTS": None}, {"MASTER_ADDR": "127.0.0.1", "GLOO_SOCKET_IFNAME": "lo"}),
+        # exported by the job: kept, and gloo's interface is the job's business then
+        ({"MASTER_ADDR": "127.0.0.2", "MASTER_PORT": "2950"}, {}),
+        ({"GLOO_SOCKET_IFNAME": "eth0"}, {"MASTER_PORT": "20019", "MASTER_ADDR": "127.0.0.1"}),
+        # two nodes: rank 0's address is not guessed, the reserved port is the same everywhere
+        ({"SLURM_STEP_NUM_NODES": "2", "SLURM_STEP_TASKS_PER_NODE": "1(x2)",
+          "SLURM_NODEID": "1", "SLURM_LOCALID": "0"},
+         {"MASTER_PORT": "20019"}),
+    ],
+)  # fmt: skip
+def test_slurm_rendezvous_defaults(changes, expected):
+    environ = {**_SLURM_STEP, **changes}
+    environ = {name: value for name, value in environ.items() if value is not None}
+    info = detect_process_info(environ)
+    assert info.source == "slurm"
+    assert slurm_rendezvous_defaults(info, environ) == expected
+
+
+def test_slurm_rendezvous_defaults_only_under_an_srun_step():
+    torchrun = {**_SLURM_STEP, "RANK": "1", "WORLD_SIZE": "2", "LOCAL_RANK": "1"}
+    assert slurm_rendezvous_defaults(detect_process_info(torchrun), torchrun) == {}
+    one_task = {**_SLURM_STEP, "SLURM_PROCID": "0", "SLURM_LOCALID": "0",
+                "SLURM_NTASKS": "1", "SLURM_STEP_NUM_TASKS": "1"}  # fmt: skip
+    assert slurm_rendezvous_defaults(detect_process_info(one_task), one_task) == {}
 
 
 def test_detect_process_info_rejects_contradictions():

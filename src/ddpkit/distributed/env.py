@@ -8,6 +8,9 @@ Read from the launcher's environment variables, in this order:
    ``SLURM_LOCALID``, ``SLURM_NODEID``, ``SLURM_STEP_TASKS_PER_NODE``. Only used when the step has
    more than one task, so a plain ``python train.py`` inside an allocation stays a single process.
 3. Nothing: a plain single process (rank 0 of world size 1).
+
+Under ``srun`` the rendezvous address comes from :func:`slurm_rendezvous_defaults` where the job
+did not export ``MASTER_ADDR``/``MASTER_PORT``.
 """
 
 from __future__ import annotations
@@ -148,3 +151,45 @@ def _validate(info: ProcessInfo) -> None:
             f"inconsistent launcher variables ({info.source}): {'; '.join(problems)}. "
             "Start the job with torchrun or ddpkit run, which set them consistently."
         )
+
+
+def slurm_rendezvous_defaults(
+    info: ProcessInfo, environ: Mapping[str, str] | None = None
+) -> dict[str, str]:
+    """The rendezvous variables an ``srun`` step left unset that Slurm itself determines.
+
+    - ``MASTER_PORT``: the first port Slurm reserved for this step, from
+      ``SLURM_STEP_RESV_PORTS`` (``"12000-12002"`` or ``"12000"``; srun sets it where
+      slurm.conf has ``MpiParams=ports=LOW-HIGH``). Every task of the step sees the same ports
+      and Slurm gives no two running steps the same, so concurrent jobs never collide.
+    - ``MASTER_ADDR``: ``127.0.0.1`` when the step runs on one node (``SLURM_STEP_NUM_NODES``
+      is 1), and then ``GLOO_SOCKET_IFNAME=lo``, so the store and gloo listen on loopback only.
+      On several nodes rank 0's address is not guessed.
+
+    Args:
+        info: this process's coordinates; only ``source == "slurm"`` gets defaults.
+        environ: the variables to read; ``os.environ`` when omitted.
+
+    Returns:
+        Only the names that are unset and that Slurm's variables determine; ``{}`` outside an
+        srun step, or when the job exported them itself.
+
+    Example:
+        >>> slurm = ProcessInfo(world_size=2, local_world_size=2, source="slurm")
+        >>> slurm_rendezvous_defaults(slurm, {"SLURM_STEP_NUM_NODES": "1",
+        ...                                   "SLURM_STEP_RESV_PORTS": "12000-12002"})
+        {'MASTER_PORT': '12000', 'MASTER_ADDR': '127.0.0.1', 'GLOO_SOCKET_IFNAME': 'lo'}
+    """
+    env = os.environ if environ is None else environ
+    if info.source != "slurm":
+        return {}
+    defaults: dict[str, str] = {}
+    ports = re.fullmatch(r"(\d+)(?:-\d+)?", env.get("SLURM_STEP_RESV_PORTS", "").strip())
+    if "MASTER_PORT" not in env and ports is not None:
+        defaults["MASTER_PORT"] = ports.group(1)
+    one_node = (env.get("SLURM_STEP_NUM_NODES") or env.get("SLURM_NNODES")) == "1"
+    if "MASTER_ADDR" not in env and one_node:
+        defaults["MASTER_ADDR"] = "127.0.0.1"
+        if "GLOO_SOCKET_IFNAME" not in env:
+            defaults["GLOO_SOCKET_IFNAME"] = "lo"
+    return defaults

@@ -31,7 +31,7 @@ if dist.is_available():
     import torch.distributed.nn.functional  # noqa: F401  (see above)
 
 from ddpkit.diagnostics.failures import record_failure, stamp_failure_time
-from ddpkit.distributed.env import ProcessInfo, detect_process_info
+from ddpkit.distributed.env import ProcessInfo, detect_process_info, slurm_rendezvous_defaults
 from ddpkit.distributed.rendezvous import (
     check_local_route,
     check_world_size_limit,
@@ -315,7 +315,9 @@ def init_runtime(
         A :class:`Runtime`; close it (or use ``with``) to destroy the groups.
 
     Raises:
-        ConfigError: bad backend or timeouts; a Slurm job without ``MASTER_ADDR``/``MASTER_PORT``;
+        ConfigError: bad backend or timeouts; ``MASTER_ADDR``/``MASTER_PORT`` unset where
+            Slurm does not determine them (see ``slurm_rendezvous_defaults`` in
+            :mod:`ddpkit.distributed.env`);
             ``MASTER_PORT`` already in use on rank 0; a non-loopback ``MASTER_ADDR`` for a
             single-node job; a world size above ``DDPKIT_MAX_WORLD_SIZE``; a bad job token
             setting (:func:`ddpkit.security.token.load_token`).
@@ -343,12 +345,8 @@ def init_runtime(
             "init_runtime: a default process group already exists. Call init_runtime once per "
             "process, or destroy the existing group first (dist.destroy_process_group())."
         )
-    missing = [name for name in ("MASTER_ADDR", "MASTER_PORT") if name not in os.environ]
-    if missing and store is None:
-        raise ConfigError(
-            f"cannot rendezvous: {', '.join(missing)} not set (launcher={info.source}). "
-            "Start with torchrun/ddpkit run, or export rank 0's MASTER_ADDR and MASTER_PORT."
-        )
+    if store is None:
+        _check_master_address(info)
     store = _rendezvous(info, store, init_timeout_s, chosen=chosen, device=device)
     dist.init_process_group(
         backend=chosen,
@@ -373,6 +371,28 @@ def init_runtime(
     )
     runtime.watchdog = watchdog
     return runtime
+
+
+def _check_master_address(info: ProcessInfo) -> None:
+    """``MASTER_ADDR``/``MASTER_PORT`` set, or filled from Slurm's variables under srun.
+
+    Raises:
+        ConfigError: one of them is unset and cannot be derived; says what to export.
+    """
+    os.environ.update(slurm_rendezvous_defaults(info))  # read by make_store and torch alike
+    missing = [name for name in ("MASTER_ADDR", "MASTER_PORT") if name not in os.environ]
+    if not missing:
+        return
+    fix = "Start with torchrun/ddpkit run, or export rank 0's MASTER_ADDR and MASTER_PORT."
+    if info.source == "slurm":
+        fix = (
+            "Under srun, export MASTER_PORT (a port free on the first node) and, on several "
+            'nodes, MASTER_ADDR=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1); '
+            "or let Slurm reserve a port per step (MpiParams=ports=12000-12999 in slurm.conf)."
+        )
+    raise ConfigError(
+        f"cannot rendezvous: {', '.join(missing)} not set (launcher={info.source}). {fix}"
+    )
 
 
 def _rendezvous(
