@@ -16,28 +16,31 @@ The rendezvous timings are shortened (``RDZV_CONF``) to keep the tests short; to
 
 from __future__ import annotations
 
-import json
 import time
 from collections import Counter
-from pathlib import Path
 
 import pytest
 
+from tests.multinode.elastic_job import (
+    NUM_SAMPLES,
+    read_events,
+    saved,
+    start_ddpkit,
+    start_torchrun,
+    wait_for,
+    worker_groups,
+)
 from tests.multinode.netns import (
     NamespacesUnavailable,
     Node,
     finish,
     kill_node,
     listeners,
-    start_in,
     switched_nodes,
 )
 
 pytestmark = pytest.mark.slow
-SCRIPT = str(Path(__file__).parent / "scripts" / "elastic_train.py")
-NUM_SAMPLES, EPOCHS, STEP_S = 360, 2, 0.1  # the script: 20 steps of 6 x 3 ranks, 30 of 6 x 2
-RDZV_CONF = "last_call_timeout=2,keep_alive_interval=1,keep_alive_max_attempt=3"
-PORT = 29400  # inside namespaces this test created: no other process can hold it
+EPOCHS, STEP_S = 2, 0.1  # the script: 20 steps of 6 x 3 ranks per epoch, 30 of 6 x 2
 
 
 @pytest.fixture
@@ -47,83 +50,6 @@ def nodes():
             yield created
     except NamespacesUnavailable as exc:
         pytest.skip(str(exc))
-
-
-def _ddpkit(node: Node, rank: int, endpoint: Node, out: Path):
-    return start_in(
-        node,
-        ["-m", "ddpkit", "run", "-n", "1", "--nnodes", "2:3", "--node-rank", str(rank),
-         "--rdzv-endpoint", f"{endpoint.address}:{PORT}", "--rdzv-conf", RDZV_CONF,
-         SCRIPT, str(out), str(EPOCHS), str(STEP_S)],
-    )  # fmt: skip
-
-
-def _torchrun(node: Node, endpoint: Node, out: Path):
-    """Plain torchrun, told what ddpkit works out itself: the address to advertise, gloo's
-    interface, and (node 0) that it hosts the store (its own check compares hostnames)."""
-    host = ",is_host=1" if node == endpoint else ""
-    return start_in(
-        node,
-        ["-m", "torch.distributed.run", "--nnodes", "2:3", "--nproc-per-node", "1",
-         "--rdzv-backend", "c10d", "--rdzv-endpoint", f"{endpoint.address}:{PORT}",
-         "--rdzv-conf", RDZV_CONF + host, "--max-restarts", "3", "--local-addr", node.address,
-         SCRIPT, str(out), str(EPOCHS), str(STEP_S)],
-        env={"GLOO_SOCKET_IFNAME": node.ifname},
-    )  # fmt: skip
-
-
-def _events(out: Path) -> list[dict]:
-    """Every complete line the processes logged, oldest first, each tagged with its process's
-    ``attempt``: (world size, the step it resumed from), from the process's first line."""
-    found = []
-    for path in out.glob("log-*.jsonl"):
-        lines = []
-        for line in path.read_text().splitlines():
-            try:
-                lines.append(json.loads(line))
-            except ValueError:  # a line being written
-                continue
-        if lines and lines[0]["event"] == "start":
-            attempt = (lines[0]["world_size"], lines[0]["step"])
-            found += [{**e, "attempt": attempt} for e in lines]
-    return sorted(found, key=lambda e: e["time_s"])
-
-
-def _wait_for(out: Path, procs: list, what: str, predicate, timeout_s: float = 150) -> list[dict]:
-    """Poll the logs until ``predicate(events)`` holds; fail at once if a launcher has exited."""
-    deadline = time.monotonic() + timeout_s
-    while not predicate(events := _events(out)):
-        ended = [p.returncode for p in procs if p.poll() is not None]
-        assert not ended, (what, ended, finish(procs, 10))
-        assert time.monotonic() < deadline, (f"timed out waiting for {what}", finish(procs, 10))
-        time.sleep(0.05)
-    return events
-
-
-def _saved(world_size: int, at_least: int):
-    return lambda events: any(
-        e["event"] == "saved" and e["world_size"] == world_size and e["step"] >= at_least
-        for e in events
-    )
-
-
-def _attempts(events: list[dict]) -> list[dict]:
-    """The worker groups in start order: world size, resumed step, ranks, steps, saves."""
-    groups: dict[tuple[int, int], dict] = {}
-    for e in events:
-        size, resumed = e["attempt"]
-        group = groups.setdefault(
-            e["attempt"],
-            {"world_size": size, "resumed": resumed, "start_s": e["time_s"], "ranks": [],
-             "steps": [], "saved": []},
-        )  # fmt: skip
-        if e["event"] == "start":
-            group["ranks"].append(e["rank"])
-        elif e["event"] == "step":
-            group["steps"].append(e)
-        elif e["event"] == "saved":
-            group["saved"].append(e["step"])
-    return sorted(groups.values(), key=lambda g: g["start_s"])
 
 
 def _check_every_sample_once(attempts: list[dict]) -> None:
@@ -151,15 +77,16 @@ def _check_bound(nodes: list[Node]) -> None:
 
 @pytest.mark.timeout(420)
 def test_lost_node_survivors_resume_on_two_then_the_node_rejoins(nodes, tmp_path):
-    first = [_ddpkit(node, rank, nodes[0], tmp_path) for rank, node in enumerate(nodes)]
-    _wait_for(tmp_path, first, "a checkpoint on 3 ranks", _saved(3, 8))
+    job = [str(tmp_path), str(EPOCHS), str(STEP_S)]
+    first = [start_ddpkit(node, rank, nodes[0], job) for rank, node in enumerate(nodes)]
+    wait_for(tmp_path, first, "a checkpoint on 3 ranks", saved(3, 8))
     _check_bound(nodes)
     kill_node(nodes[2])
     killed_s = time.time()
     survivors = first[:2]
-    _wait_for(tmp_path, survivors, "a checkpoint on 2 ranks after the resume", _saved(2, 16))
-    back = _ddpkit(nodes[2], 2, nodes[0], tmp_path)
-    _wait_for(tmp_path, [*survivors, back], "the rejoined node training",
+    wait_for(tmp_path, survivors, "a checkpoint on 2 ranks after the resume", saved(2, 16))
+    back = start_ddpkit(nodes[2], 2, nodes[0], job)
+    wait_for(tmp_path, [*survivors, back], "the rejoined node training",
               lambda events: any(e["event"] == "step" and e["world_size"] == 3 and
                                  e["time_s"] > killed_s for e in events))  # fmt: skip
     _check_bound(nodes)
@@ -171,7 +98,7 @@ def test_lost_node_survivors_resume_on_two_then_the_node_rejoins(nodes, tmp_path
     assert "node(s) waiting to join; restarting the workers to take them in" in output, output
     assert "rendezvous complete: 2 node(s), world size 2" in results[0][1], results[0][1]
 
-    attempts = _attempts(_events(tmp_path))
+    attempts = worker_groups(read_events(tmp_path))
     assert [(a["world_size"], sorted(a["ranks"])) for a in attempts] == [
         (3, [0, 1, 2]), (2, [0, 1]), (3, [0, 1, 2])
     ], attempts  # fmt: skip
@@ -187,14 +114,15 @@ def test_lost_node_survivors_resume_on_two_then_the_node_rejoins(nodes, tmp_path
 
 @pytest.mark.timeout(300)
 def test_plain_torchrun_survives_the_same_loss(nodes, tmp_path):
-    procs = [_torchrun(node, nodes[0], tmp_path) for node in nodes]
-    _wait_for(tmp_path, procs, "a checkpoint on 3 ranks", _saved(3, 8))
+    job = [str(tmp_path), str(EPOCHS), str(STEP_S)]
+    procs = [start_torchrun(node, nodes[0], job) for node in nodes]
+    wait_for(tmp_path, procs, "a checkpoint on 3 ranks", saved(3, 8))
     kill_node(nodes[2])
     killed_s = time.time()
     results = finish(procs[:2], 240)
     for code, out in results:
         assert code == 0, out
-    attempts = _attempts(_events(tmp_path))
+    attempts = worker_groups(read_events(tmp_path))
     assert [(a["world_size"], sorted(a["ranks"])) for a in attempts] == [
         (3, [0, 1, 2]),
         (2, [0, 1]),
@@ -207,8 +135,9 @@ def test_plain_torchrun_survives_the_same_loss(nodes, tmp_path):
 
 @pytest.mark.timeout(240)
 def test_losing_node_zero_ends_the_others_at_once_saying_why(nodes, tmp_path):
-    procs = [_ddpkit(node, rank, nodes[0], tmp_path) for rank, node in enumerate(nodes)]
-    _wait_for(tmp_path, procs, "a checkpoint on 3 ranks", _saved(3, 8))
+    job = [str(tmp_path), str(EPOCHS), str(STEP_S)]
+    procs = [start_ddpkit(node, rank, nodes[0], job) for rank, node in enumerate(nodes)]
+    wait_for(tmp_path, procs, "a checkpoint on 3 ranks", saved(3, 8))
     kill_node(nodes[0])
     killed_s = time.monotonic()
     results = finish(procs[1:], 60)
