@@ -147,3 +147,17 @@ def test_losing_node_zero_ends_the_others_at_once_saying_why(nodes, tmp_path):
         assert "cannot reach the rendezvous store at" in out, out
         assert "node 0, which hosts it, is gone or unreachable" in out, out
     assert elapsed_s < 30, elapsed_s  # the workers fail at once; the store refuses at once
+
+
+def test_fewer_than_min_nodes_end_after_the_join_timeout_saying_so(tmp_path):
+    try:
+        with switched_nodes(1) as [node]:
+            job = [str(tmp_path), str(EPOCHS), str(STEP_S)]
+            start = time.monotonic()
+            [(code, out)] = finish([start_ddpkit(node, 0, node, job, "join_timeout=5")], 90)
+    except NamespacesUnavailable as exc:
+        pytest.skip(str(exc))
+    assert code == 1, out
+    assert "timed out: fewer than 2 node(s) joined within its join_timeout" in out, out
+    assert time.monotonic() - start < 60
+    assert not list(tmp_path.glob("log-*.jsonl"))  # no worker started

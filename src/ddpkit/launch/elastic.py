@@ -86,25 +86,47 @@ def node_problems(spec: LaunchSpec) -> list[str]:
     return problems
 
 
-def rendezvous_lost_line(
-    command: str, endpoint: str, records: list[FailureRecord], first_error: str
+def rendezvous_error_line(
+    spec: LaunchSpec, endpoint: str, exc: Exception, records: list[FailureRecord]
 ) -> str:
-    """The one line for an agent that cannot reach the rendezvous store.
+    """The one line for torchrun's agent giving up on the rendezvous (``RendezvousError``).
 
-    After a worker failure (``records``), the store was reachable before: node 0, which hosts
-    it, is gone or cut off, and no node can go on without it. Otherwise this node never joined.
+    A connection error after a worker failure (``records``): the store was reachable before,
+    so node 0, which hosts it, is gone or cut off, and no node can go on without it. A timeout:
+    fewer than MIN nodes came within ``join_timeout``. Closed: the job already ended.
     """
-    if records:
+    from torch.distributed.elastic.rendezvous.api import (
+        RendezvousClosedError,
+        RendezvousConnectionError,
+        RendezvousTimeoutError,
+    )
+
+    first = str(exc).strip().splitlines()[0].rstrip(".") if str(exc).strip() else ""
+    label = f"{spec.command}:"
+    if isinstance(exc, RendezvousConnectionError) and records:
         return (
-            f"{command}: the workers failed (first: {records[0].headline}) and the restart "
+            f"{label} the workers failed (first: {records[0].headline}) and the restart "
             f"cannot reach the rendezvous store at {endpoint}: node 0, which hosts it, is gone "
             "or unreachable. An elastic job goes on after losing any node but node 0; start "
             "the job again (on node 0 first) and it resumes from the newest checkpoint."
         )
+    if isinstance(exc, RendezvousTimeoutError):
+        fewest = spec.min_nodes if spec.elastic else spec.nnodes
+        return (
+            f"{label} the rendezvous at {endpoint} timed out: fewer than {fewest} node(s) "
+            "joined within its join_timeout (torch: 600 s; --rdzv-conf join_timeout=S). Start "
+            "the missing nodes with the same --rdzv-endpoint and --rdzv-id, or lower MIN in "
+            "--nnodes MIN:MAX."
+        )
+    if isinstance(exc, RendezvousClosedError):
+        return (
+            f"{label} the job at {endpoint} (--rdzv-id {spec.rdzv_id}) has already finished: "
+            "its rendezvous is closed to new nodes. Start a new job with another --rdzv-id."
+        )
     return (
-        f"{command}: cannot join the rendezvous at {endpoint}: {first_error.rstrip('.')}. Check "
-        "that node 0 runs ddpkit run with the same --rdzv-endpoint and --rdzv-id, and that this "
-        "node can reach that address."
+        f"{label} cannot join the rendezvous at {endpoint}: {first or type(exc).__name__}. "
+        "Check that node 0 runs ddpkit run with the same --rdzv-endpoint and --rdzv-id, and "
+        "that this node can reach that address."
     )
 
 

@@ -37,7 +37,7 @@ from ddpkit.launch.elastic import (
     node_problems,
     parse_rdzv_conf,
     quiet_restarts,
-    rendezvous_lost_line,
+    rendezvous_error_line,
 )
 from ddpkit.launch.network import (
     NetworkPlan,
@@ -235,10 +235,8 @@ def launch(spec: LaunchSpec) -> int:
         _print_failure_summary(spec, run_dir, codes)
         return 1
     except RendezvousError as exc:  # this node's agent could not (re)join (several nodes)
-        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         endpoint = f"{plan.endpoint_host}:{plan.endpoint_port}"
-        line = rendezvous_lost_line(spec.command, endpoint, read_records(run_dir), first)
-        print(line, file=sys.stderr)
+        print(rendezvous_error_line(spec, endpoint, exc, read_records(run_dir)), file=sys.stderr)
         return 1
     except SignalException as exc:  # SIGTERM, SIGHUP, ... sent to the launcher
         if exc.sigval == signal.SIGINT:  # Ctrl-C: torchrun has stopped the workers with SIGINT
