@@ -44,28 +44,34 @@ def _record() -> FailureRecord:
     return FailureRecord(0, 0, 3, 0, "DistributedError", "all_reduce failed", "", 1.0, 42)
 
 
+LOST = RendezvousConnectionError("The connection to the C10d store has failed.")
+
+
 @pytest.mark.parametrize(
-    "exc,records,expected",
+    "exc,records,joined,expected",
     [
         (
-            RendezvousConnectionError("The connection to the C10d store has failed."),
+            LOST,
             [_record()],
+            True,
             "the workers failed (first: rank 0/3 (local rank 0, pid 42): DistributedError: "
-            "all_reduce failed) and the restart cannot reach the rendezvous store at "
-            "10.0.0.1:29400: node 0, which hosts it, is gone or unreachable.",
+            "all_reduce failed) and the rendezvous store at 10.0.0.1:29400 no longer answers: "
+            "node 0, which hosts it, is gone or unreachable.",
         ),
+        (LOST, [], True, "ddpkit run: the rendezvous store at 10.0.0.1:29400 no longer answers"),
         (
-            RendezvousConnectionError("The connection to the C10d store has failed."),
+            LOST,
             [],
+            False,
             "cannot join the rendezvous at 10.0.0.1:29400: The connection to the C10d store "
             "has failed. Check that node 0 runs ddpkit run",
         ),
-        (RendezvousTimeoutError(), [], "timed out: fewer than 2 node(s) joined"),
-        (RendezvousClosedError(), [], "(--rdzv-id ddpkit) has already finished"),
+        (RendezvousTimeoutError(), [], True, "timed out: fewer than 2 node(s) joined"),
+        (RendezvousClosedError(), [], False, "(--rdzv-id ddpkit) has already finished"),
     ],
 )
-def test_rendezvous_errors_are_one_line_naming_the_cause(exc, records, expected):
-    line = rendezvous_error_line(ELASTIC, "10.0.0.1:29400", exc, records)
+def test_rendezvous_errors_are_one_line_naming_the_cause(exc, records, joined, expected):
+    line = rendezvous_error_line(ELASTIC, "10.0.0.1:29400", exc, records, joined_before=joined)
     assert line.startswith("ddpkit run: ") and expected in line and "\n" not in line
     assert ".." not in line
 

@@ -87,13 +87,19 @@ def node_problems(spec: LaunchSpec) -> list[str]:
 
 
 def rendezvous_error_line(
-    spec: LaunchSpec, endpoint: str, exc: Exception, records: list[FailureRecord]
+    spec: LaunchSpec,
+    endpoint: str,
+    exc: Exception,
+    records: list[FailureRecord],
+    *,
+    joined_before: bool,
 ) -> str:
     """The one line for torchrun's agent giving up on the rendezvous (``RendezvousError``).
 
-    A connection error after a worker failure (``records``): the store was reachable before,
-    so node 0, which hosts it, is gone or cut off, and no node can go on without it. A timeout:
-    fewer than MIN nodes came within ``join_timeout``. Closed: the job already ended.
+    A connection error once this node had joined a round (``joined_before``): the store was
+    reachable, so node 0, which hosts it, is gone or cut off, and no node can go on without it
+    (``records``: the workers' failures, the first named). A timeout: fewer than MIN nodes came
+    within ``join_timeout``. Closed: the job already ended.
     """
     from torch.distributed.elastic.rendezvous.api import (
         RendezvousClosedError,
@@ -103,12 +109,13 @@ def rendezvous_error_line(
 
     first = str(exc).strip().splitlines()[0].rstrip(".") if str(exc).strip() else ""
     label = f"{spec.command}:"
-    if isinstance(exc, RendezvousConnectionError) and records:
+    if isinstance(exc, RendezvousConnectionError) and joined_before:
+        failed = f"the workers failed (first: {records[0].headline}) and " if records else ""
         return (
-            f"{label} the workers failed (first: {records[0].headline}) and the restart "
-            f"cannot reach the rendezvous store at {endpoint}: node 0, which hosts it, is gone "
-            "or unreachable. An elastic job goes on after losing any node but node 0; start "
-            "the job again (on node 0 first) and it resumes from the newest checkpoint."
+            f"{label} {failed}the rendezvous store at {endpoint} no longer answers: node 0, "
+            "which hosts it, is gone or unreachable. An elastic job goes on after losing any "
+            "node but node 0; start the job again (on node 0 first) and it resumes from the "
+            "newest checkpoint."
         )
     if isinstance(exc, RendezvousTimeoutError):
         fewest = spec.min_nodes if spec.elastic else spec.nnodes
@@ -144,6 +151,7 @@ class RestartAnnouncer(logging.Filter):
         self.show_info = logger.isEnabledFor(logging.INFO)  # LOGLEVEL=INFO: torchrun prints it
         self.saved_level = logger.level
         self.restarted = False
+        self.rendezvous_done = 0  # rounds this node's agent completed
 
     def filter(self, record: logging.LogRecord) -> bool:
         if record.levelno != logging.INFO:
@@ -167,6 +175,7 @@ class RestartAnnouncer(logging.Filter):
                 "(not counted as a restart)."
             )
         if "Rendezvous complete" in template and isinstance(args, dict):
+            self.rendezvous_done += 1
             if not (self.elastic or self.restarted):
                 return ""
             ranks = args.get("global_ranks") or []

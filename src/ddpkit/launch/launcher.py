@@ -236,7 +236,11 @@ def launch(spec: LaunchSpec) -> int:
         return 1
     except RendezvousError as exc:  # this node's agent could not (re)join (several nodes)
         endpoint = f"{plan.endpoint_host}:{plan.endpoint_port}"
-        print(rendezvous_error_line(spec, endpoint, exc, read_records(run_dir)), file=sys.stderr)
+        joined = announcer.rendezvous_done > 0
+        line = rendezvous_error_line(
+            spec, endpoint, exc, read_records(run_dir), joined_before=joined
+        )
+        print(line, file=sys.stderr)
         return 1
     except SignalException as exc:  # SIGTERM, SIGHUP, ... sent to the launcher
         if exc.sigval == signal.SIGINT:  # Ctrl-C: torchrun has stopped the workers with SIGINT
