@@ -191,6 +191,39 @@ def test_torchrun_argv_passes_user_arguments_through_untouched():
     assert args.training_script_args == target
 
 
+def _run_spec(*flags: str) -> LaunchSpec:
+    from ddpkit.cli import build_parser
+    from ddpkit.cli.run import launch_spec
+
+    return launch_spec(build_parser().parse_args(["run", "-n", "1", *flags, "train.py"]))
+
+
+def test_elastic_nodes_get_restarts_and_torchrun_gets_min_max_and_the_timings():
+    from torch.distributed import run as torchrun
+
+    endpoint = ["--rdzv-endpoint", "127.0.0.1:29400"]
+    assert _run_spec().max_restarts == 0 and not _run_spec().elastic
+    assert _run_spec("--nnodes", "3", *endpoint).max_restarts == 0
+    assert _run_spec("--nnodes", "3:3", *endpoint).max_restarts == 0  # MIN = MAX: fixed
+    spec = _run_spec("--nnodes", "2:3", *endpoint, "--rdzv-conf", "last_call_timeout=5")
+    assert spec.elastic and (spec.min_nodes, spec.nnodes, spec.max_restarts) == (2, 3, 3)
+    assert spec.world_size == 3  # the most: what DDPKIT_MAX_WORLD_SIZE is checked against
+    assert _run_spec("--nnodes", "2:3", *endpoint, "--max-restarts", "0").max_restarts == 0
+    args = torchrun.parse_args(torchrun_argv(spec, plan_network(spec), "job"))
+    assert args.nnodes == "2:3" and args.max_restarts == 3 and args.rdzv_id == "job"
+    assert args.rdzv_conf == "is_host=false,read_timeout=10,last_call_timeout=5"
+
+
+def test_elastic_world_size_limit_counts_every_node_that_may_join(monkeypatch, capsys):
+    from ddpkit.cli import main
+
+    monkeypatch.setenv("DDPKIT_MAX_WORLD_SIZE", "4")
+    flags = ["--nnodes", "1:3", "--rdzv-endpoint", "127.0.0.1:29400", "-n", "2", PROBE]
+    assert main(["run", *flags]) == 2
+    err = capsys.readouterr().err
+    assert "world_size=6, DDPKIT_MAX_WORLD_SIZE=4" in err and len(err.strip().splitlines()) == 1
+
+
 @pytest.mark.parametrize(
     "args,expected",
     [
@@ -200,6 +233,16 @@ def test_torchrun_argv_passes_user_arguments_through_untouched():
         (["-n", "2", "-m", "no_such_module_xyz"], "module='no_such_module_xyz' cannot be found"),
         (["-n", "2", "--omp-num-threads", "0", "/"], "omp_num_threads=0 must be >= 1"),
         (["-n", "2", "/"], "script='/' is not a file"),
+        (["-n", "1", "--nnodes", "2-3", "/"], "invalid --nnodes: nnodes='2-3'. Give a number"),
+        (["-n", "1", "--nnodes", "3:2", "/"], "nnodes=3:2 must be MIN:MAX with 1 <= MIN <= MAX"),
+        (["-n", "1", "--nnodes", "0:2", "/"], "nnodes=0:2 must be MIN:MAX with 1 <= MIN <= MAX"),
+        (["-n", "1", "--nnodes", "1:2", "/"], "several nodes need --rdzv-endpoint HOST:PORT"),
+        (
+            ["-n", "1", "--nnodes", "1:2", "--node-rank", "2", "--rdzv-endpoint", "h:1", "/"],
+            "node_rank=2 must be in 0..1",
+        ),
+        (["-n", "1", "--rdzv-conf", "is_host=1", "/"], "rdzv_conf key 'is_host' is not one of"),
+        (["-n", "1", "--rdzv-conf", "last_call_timeout=0", "/"], "last_call_timeout='0' must be"),
     ],
 )
 def test_run_rejects_bad_input_in_one_line(args, expected, capsys):

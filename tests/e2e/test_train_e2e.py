@@ -117,6 +117,7 @@ def test_killed_rank_restarts_and_resumes_to_the_same_parameters(tmp_path):
         timeout_s=240,
     )
     assert faulty.returncode == 0, faulty.output
+    assert "ddpkit train: workers FAILED; restarting them (restart 1 of 1)." in faulty.stderr
     assert "resumed from" in faulty.stdout and "step-00000008 (step 8)" in faulty.stdout
     restart_line = "ddpkit: restart 1 of 1: the job failed (the error above); all 2 processes"
     assert faulty.stderr.count(restart_line) == 1 and "ddpkit: restart" not in plain.output

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import os
 import shutil
-import signal
 import subprocess
 import sys
 import textwrap
@@ -18,6 +17,9 @@ import uuid
 
 import pytest
 import torch
+
+from tests.multinode.netns import finish as _finish
+from tests.multinode.netns import ip as _ip
 
 SCRIPT = """
 import sys, torch
@@ -41,10 +43,6 @@ with ddpkit.init_runtime("gloo", init_timeout_s=60, train_timeout_s=60) as rt:
         torch.save(ddpkit.model_state_dict(model), sys.argv[1])
     print(f"rank {rt.rank} of {rt.world_size} done")
 """
-
-
-def _ip(*args: str) -> None:
-    subprocess.run(["ip", *args], check=True, capture_output=True, text=True, timeout=30)
 
 
 @pytest.fixture
@@ -91,21 +89,6 @@ def _start(ns: str, args: list[str]) -> subprocess.Popen:
         start_new_session=True,
         env={**os.environ, "OMP_NUM_THREADS": "1"},
     )
-
-
-def _finish(procs: list[subprocess.Popen], timeout_s: float) -> list[tuple[int | None, str]]:
-    """Wait for every process; kill the ones still running at the deadline (code ``None``)."""
-    deadline = time.monotonic() + timeout_s
-    results = []
-    for proc in procs:
-        try:
-            out, _ = proc.communicate(timeout=max(0.1, deadline - time.monotonic()))
-            results.append((proc.returncode, out))
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            out, _ = proc.communicate()
-            results.append((None, out))
-    return results
 
 
 def test_two_nodes_match_one_node_with_two_processes(namespaces, tmp_path):

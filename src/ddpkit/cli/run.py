@@ -5,13 +5,18 @@ from __future__ import annotations
 import argparse
 
 from ddpkit.errors import ConfigError
+from ddpkit.launch.elastic import RDZV_CONF_KEYS
 from ddpkit.launch.launcher import LaunchSpec, launch
+
+ELASTIC_MAX_RESTARTS = 3
 
 EPILOG = """examples:
   ddpkit run -n 2 train.py --epochs 3
   ddpkit run -n 2 -m mypackage.train --lr 0.1
   # two nodes, on each (node 0 owns 10.0.0.1; same command, its own --node-rank):
   ddpkit run -n 2 --nnodes 2 --node-rank 0 --rdzv-endpoint 10.0.0.1:29400 train.py
+  # elastic: 2 to 3 nodes; a lost node's survivors restart (up to 3 times) and go on
+  ddpkit run -n 1 --nnodes 2:3 --node-rank 0 --rdzv-endpoint 10.0.0.1:29400 train.py
 One node listens on 127.0.0.1 only. Set DDPKIT_JOB_TOKEN (or DDPKIT_JOB_TOKEN_FILE) to the same
 secret on every node to admit only processes that hold it.
 """
@@ -38,9 +43,10 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument(
         "--max-restarts",
         type=int,
-        default=0,
+        default=None,
         metavar="R",
-        help="restart all workers up to R times after a failure (default 0)",
+        help="restart all workers up to R times after a failure (default 0; elastic "
+        f"--nnodes MIN:MAX: {ELASTIC_MAX_RESTARTS}, one per node lost)",
     )
     parser.add_argument(
         "--omp-num-threads",
@@ -68,7 +74,13 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
 
 def _add_node_arguments(parser: argparse.ArgumentParser) -> None:
     """Several nodes (rendezvous) and gloo's TLS."""
-    parser.add_argument("--nnodes", type=int, default=1, metavar="N", help="number of nodes")
+    parser.add_argument(
+        "--nnodes",
+        default="1",
+        metavar="N|MIN:MAX",
+        help="number of nodes; MIN:MAX for elastic membership (a lost node's survivors go on "
+        "from the newest checkpoint, a node that joins is taken in)",
+    )
     parser.add_argument(
         "--node-rank",
         type=int,
@@ -88,6 +100,14 @@ def _add_node_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="ID",
         help="several nodes: the job's name in the rendezvous, the same on every node",
     )
+    parser.add_argument(
+        "--rdzv-conf",
+        default="",
+        metavar="KEY=VALUE,...",
+        help="several nodes: torchrun's rendezvous timings in seconds, e.g. "
+        "last_call_timeout=5,keep_alive_interval=2 (keys: " + ", ".join(RDZV_CONF_KEYS) + "; "
+        "torch's defaults when unset; see docs/launching.md)",
+    )
     for name, what in (("cert", "certificate"), ("key", "private key"), ("ca", "CA bundle")):
         parser.add_argument(
             f"--tls-{name}",
@@ -99,6 +119,16 @@ def _add_node_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    return launch(launch_spec(args))
+
+
+def launch_spec(args: argparse.Namespace) -> LaunchSpec:
+    """The :class:`LaunchSpec` of parsed ``ddpkit run`` flags (restarts: 0, or
+    ``ELASTIC_MAX_RESTARTS`` for ``--nnodes MIN:MAX``, unless given).
+
+    Raises:
+        ConfigError: incomplete TLS flags; ``--nnodes`` not ``N`` or ``MIN:MAX``.
+    """
     target = list(args.target)
     if target[:1] == ["--"]:
         target = target[1:]
@@ -109,15 +139,36 @@ def run(args: argparse.Namespace) -> int:
         raise ConfigError(
             "incomplete TLS settings: give all of --tls-cert, --tls-key and --tls-ca, or none."
         )
-    spec = LaunchSpec(
+    min_nodes, nnodes = parse_nnodes(args.nnodes)
+    max_restarts = args.max_restarts
+    if max_restarts is None:
+        max_restarts = ELASTIC_MAX_RESTARTS if min_nodes < nnodes else 0
+    return LaunchSpec(
         target=target,
         nproc=args.nproc,
-        max_restarts=args.max_restarts,
+        max_restarts=max_restarts,
         omp_num_threads=args.omp_num_threads,
-        nnodes=args.nnodes,
+        nnodes=nnodes,
+        min_nodes=min_nodes,
         node_rank=args.node_rank,
         rdzv_endpoint=args.rdzv_endpoint,
         rdzv_id=args.rdzv_id,
+        rdzv_conf=args.rdzv_conf,
         tls=tls if all(tls) else None,
     )
-    return launch(spec)
+
+
+def parse_nnodes(value: str) -> tuple[int, int]:
+    """``"3"`` -> ``(3, 3)``, ``"2:3"`` -> ``(2, 3)``: the fewest and the most nodes.
+
+    Raises:
+        ConfigError: not ``N`` or ``MIN:MAX`` with integers (the range is checked with the rest
+            of the launch).
+    """
+    parts = value.split(":")
+    if len(parts) > 2 or not all(p.strip().isdigit() for p in parts):
+        raise ConfigError(
+            f"invalid --nnodes: nnodes={value!r}. Give a number of nodes N or a range MIN:MAX "
+            "(e.g. --nnodes 2 or --nnodes 2:4)."
+        )
+    return int(parts[0]), int(parts[-1])

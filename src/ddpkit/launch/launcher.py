@@ -32,6 +32,13 @@ from ddpkit.diagnostics.failures import LAUNCHER_PID_ENV, RUN_DIR_ENV, read_reco
 from ddpkit.distributed.env import ProcessInfo
 from ddpkit.distributed.rendezvous import check_local_route, check_world_size_limit
 from ddpkit.errors import ConfigError
+from ddpkit.launch.elastic import (
+    announce_restarts,
+    node_problems,
+    parse_rdzv_conf,
+    quiet_restarts,
+    rendezvous_error_line,
+)
 from ddpkit.launch.network import (
     NetworkPlan,
     host_rendezvous_store,
@@ -60,10 +67,18 @@ class LaunchSpec:
         omp_num_threads: threads per process; ``None`` keeps an ``OMP_NUM_THREADS`` already set,
             else usable cores // nproc (at least 1).
         nnodes: number of nodes (machines); each runs ``ddpkit run`` with the same settings.
-        node_rank: this node's index; node 0 hosts the rendezvous store at ``rdzv_endpoint``.
+            With ``min_nodes``: the most nodes the job takes in.
+        min_nodes: elastic membership (``--nnodes MIN:MAX``): the fewest nodes the job runs
+            on; ``None`` (or ``nnodes``) for a fixed number of nodes. torchrun's agents restart
+            the workers on the nodes that remain when one is lost (this costs one of
+            ``max_restarts``) and when one joins (free); see docs/launching.md.
+        node_rank: this node's index; node 0 hosts the rendezvous store at ``rdzv_endpoint``
+            (the ranks are assigned by the rendezvous, not by node rank).
         rdzv_endpoint: ``HOST:PORT`` of the rendezvous store (several nodes only): an address
             of node 0 that every node can reach.
         rdzv_id: the job's name in the rendezvous (the same on every node).
+        rdzv_conf: torchrun's dynamic-rendezvous timings, ``"last_call_timeout=5,..."``
+            (:data:`ddpkit.launch.elastic.RDZV_CONF_KEYS`; ``""``: torch's defaults).
         tls: ``(cert, key, ca)`` PEM files for gloo's TLS transport, or ``None``.
         command: the command the user ran, which labels every line the launcher prints
             (``ddpkit train`` launches through here too).
@@ -79,9 +94,11 @@ class LaunchSpec:
     max_restarts: int = 0
     omp_num_threads: int | None = None
     nnodes: int = 1
+    min_nodes: int | None = None
     node_rank: int = 0
     rdzv_endpoint: str | None = None
     rdzv_id: str = "ddpkit"
+    rdzv_conf: str = ""
     tls: tuple[str, str, str] | None = None
     command: str = "ddpkit run"
     on_interrupt: Callable[[], str] | None = None
@@ -90,7 +107,18 @@ class LaunchSpec:
 
     @property
     def world_size(self) -> int:
+        """The world size; elastic: the largest (every node taken in)."""
         return self.nproc * self.nnodes
+
+    @property
+    def elastic(self) -> bool:
+        """Whether the number of nodes may change while the job runs (``MIN < MAX``)."""
+        return self.min_nodes is not None and self.min_nodes < self.nnodes
+
+    @property
+    def nnodes_arg(self) -> str:
+        """torchrun's ``--nnodes`` value: ``"N"``, or ``"MIN:MAX"`` when elastic."""
+        return f"{self.min_nodes}:{self.nnodes}" if self.elastic else str(self.nnodes)
 
 
 def _find_module(name: str) -> object | None:
@@ -115,7 +143,7 @@ def validate_spec(spec: LaunchSpec) -> None:
         problems.append(f"max_restarts={spec.max_restarts} must be >= 0")
     if spec.omp_num_threads is not None and spec.omp_num_threads < 1:
         problems.append(f"omp_num_threads={spec.omp_num_threads} must be >= 1")
-    problems += _node_problems(spec)
+    problems += node_problems(spec)
     if not spec.target or spec.target == ["-m"]:
         problems.append("no script given (ddpkit run -n 2 train.py [args], or -m package.module)")
     elif spec.target[0] == "-m":
@@ -129,26 +157,6 @@ def validate_spec(spec: LaunchSpec) -> None:
         raise ConfigError(f"invalid launch: {'; '.join(problems)}.")
 
 
-def _node_problems(spec: LaunchSpec) -> list[str]:
-    problems = []
-    if spec.nnodes < 1:
-        problems.append(f"nnodes={spec.nnodes} must be >= 1")
-    elif not 0 <= spec.node_rank < spec.nnodes:
-        problems.append(f"node_rank={spec.node_rank} must be in 0..{spec.nnodes - 1}")
-    if spec.nnodes > 1 and not spec.rdzv_endpoint:
-        problems.append("several nodes need --rdzv-endpoint HOST:PORT (an address of node 0)")
-    if spec.rdzv_endpoint and spec.nnodes == 1:
-        problems.append("--rdzv-endpoint is for several nodes (--nnodes N > 1)")
-    if spec.rdzv_endpoint:
-        host, _, port = spec.rdzv_endpoint.rpartition(":")
-        if not host or not port.isdigit() or not 0 < int(port) < 65536:
-            problems.append(f"rdzv_endpoint={spec.rdzv_endpoint!r} must be HOST:PORT")
-    for path in spec.tls or ():
-        if not os.path.isfile(path):
-            problems.append(f"TLS file {path!r} does not exist")
-    return problems
-
-
 def torchrun_argv(spec: LaunchSpec, plan: NetworkPlan, run_id: str) -> list[str]:
     """The ``torch.distributed.run`` command line for ``spec`` (without the program name).
 
@@ -156,15 +164,17 @@ def torchrun_argv(spec: LaunchSpec, plan: NetworkPlan, run_id: str) -> list[str]
     0's, listening on one address only): torchrun's agent only connects to it
     (``is_host=false``), and advertises ``plan.local_address`` to the workers.
     """
+    # is_host=false: the store is ours, torchrun only connects. read_timeout bounds each of the
+    # agent's store calls (torch's default, 60 s, kept a node whose link went down waiting
+    # minutes after its workers had failed).
+    conf = {"is_host": "false", "read_timeout": AGENT_STORE_TIMEOUT_S}
+    conf.update(parse_rdzv_conf(spec.rdzv_conf)[0])
     return [
-        f"--nnodes={spec.nnodes}",
+        f"--nnodes={spec.nnodes_arg}",
         "--rdzv-backend=c10d",
         f"--rdzv-endpoint={plan.endpoint_host}:{plan.endpoint_port}",
         f"--rdzv-id={run_id}",
-        # is_host=false: the store is ours, torchrun only connects. read_timeout bounds each of
-        # the agent's store calls (torch's default, 60 s, kept a node whose link went down
-        # waiting minutes after its workers had failed).
-        f"--rdzv-conf=is_host=false,read_timeout={AGENT_STORE_TIMEOUT_S}",
+        f"--rdzv-conf={','.join(f'{key}={value}' for key, value in conf.items())}",
         f"--local-addr={plan.local_address}",
         f"--nproc-per-node={spec.nproc}",
         f"--max-restarts={spec.max_restarts}",
@@ -214,6 +224,7 @@ def launch(spec: LaunchSpec) -> int:
         ).start()
     for name in _TORCHRUN_LOGGERS:
         logging.getLogger(name).addFilter(_QUIET_CTRL_C)
+    agent_logger, announcer = announce_restarts(spec.command, elastic=spec.elastic)
     try:
         run_id = uuid.uuid4().hex if spec.nnodes == 1 else spec.rdzv_id
         argv = torchrun_argv(spec, plan, run_id)
@@ -223,14 +234,13 @@ def launch(spec: LaunchSpec) -> int:
         codes = {rank: failure.exitcode for rank, failure in exc.failures.items()}
         _print_failure_summary(spec, run_dir, codes)
         return 1
-    except RendezvousError as exc:  # this node's agent could not join (several nodes)
-        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        print(
-            f"{spec.command}: cannot join the rendezvous at {plan.endpoint_host}:"
-            f"{plan.endpoint_port}: {first}. Check that node 0 runs ddpkit run with the same "
-            "--rdzv-endpoint and --rdzv-id, and that this node can reach that address.",
-            file=sys.stderr,
+    except RendezvousError as exc:  # this node's agent could not (re)join (several nodes)
+        endpoint = f"{plan.endpoint_host}:{plan.endpoint_port}"
+        joined = announcer.rendezvous_done > 0
+        line = rendezvous_error_line(
+            spec, endpoint, exc, read_records(run_dir), joined_before=joined
         )
+        print(line, file=sys.stderr)
         return 1
     except SignalException as exc:  # SIGTERM, SIGHUP, ... sent to the launcher
         if exc.sigval == signal.SIGINT:  # Ctrl-C: torchrun has stopped the workers with SIGINT
@@ -242,6 +252,7 @@ def launch(spec: LaunchSpec) -> int:
     except KeyboardInterrupt:
         return _interrupted(spec, run_dir)
     finally:
+        quiet_restarts(agent_logger, announcer)
         for name in _TORCHRUN_LOGGERS:
             logging.getLogger(name).removeFilter(_QUIET_CTRL_C)
         os.environ.clear()
