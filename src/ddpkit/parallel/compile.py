@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import logging
 from typing import Any
 
 import torch
@@ -138,6 +139,7 @@ def finish_compile(
     sync check (``check_steps`` > 0, DDP, 2+ ranks); returns ``model`` itself."""
     if options is not None:
         compile_wrapped(model, strategy, options)
+        _quiet_ddp_profiler_warning()
     check = None
     if strategy in _DDP:
         context = "under torch.compile" if options is not None else ""
@@ -182,6 +184,19 @@ def compile_wrapped(model: nn.Module, strategy: str, options: dict[str, Any]) ->
             type(inner).__name__,
         )
     return model
+
+
+def _drop_profiler_warning(record: logging.LogRecord) -> bool:
+    return not str(record.msg).startswith("Profiler record function")
+
+
+def _quiet_ddp_profiler_warning() -> None:
+    """Drop dynamo's "Profiler record function ... will be ignored" warning (one per rank):
+    it is about DDP's own ``record_function("DistributedDataParallel.forward")``, which
+    compiled code skips, and says nothing about the user's model."""
+    logger = logging.getLogger("torch._dynamo.variables.ctx_manager")
+    if _drop_profiler_warning not in logger.filters:
+        logger.addFilter(_drop_profiler_warning)
 
 
 def _fsdp_blocks(model: nn.Module) -> list[nn.Module]:
