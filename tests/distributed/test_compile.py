@@ -109,6 +109,38 @@ def test_compiled_ddp_with_accumulation_equals_eager(world_size, backend, atol):
             torch.testing.assert_close(rank["compiled"][name], value, atol=atol, rtol=0)
 
 
+OPTION_SETS = [  # (wrap_model options, precision): each trained eager and compiled
+    ({"static_graph": True}, "32"),
+    ({"sync_batchnorm": True}, "32"),  # ddpkit's CPU SyncBatchNorm: a graph break at .item()
+    ({"grad_compression": "fp16"}, "32"),
+    ({}, "bf16-mixed"),
+]
+
+
+def _options_compiled_vs_eager(rt):
+    differences = []
+    for options, precision in OPTION_SETS:
+        params = []
+        for compile_ in (False, FAST):
+            torch.manual_seed(0)
+            model = ddpkit.wrap_model(BatchNormNet(), rt, compile=compile_, **options)
+            optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+            mixed = ddpkit.MixedPrecision(precision, rt)
+            step = ddpkit.TrainStep(model, optimizer, runtime=rt, precision=mixed)
+            for window in step.windows(_batches(rt.rank, 3)):
+                step(window)
+            params.append([p.detach().clone() for p in model.parameters()])
+        differences.append(max((a - b).abs().max().item() for a, b in zip(*params, strict=True)))
+    return differences
+
+
+def test_ddp_options_and_precision_under_compile_train_like_eager():
+    """static_graph (DDPOptimizer with it: pytorch/pytorch#109261 feared a failure), SyncBatchNorm,
+    fp16 compression and bf16 autocast: bitwise the eager parameters after 3 steps, 2 ranks."""
+    for differences in run_distributed(_options_compiled_vs_eager, 2, timeout_s=300):
+        assert differences == [0.0] * len(OPTION_SETS)
+
+
 def _unsynced(rt, check: bool):
     kwargs = {} if check else {"grad_sync_check_steps": 0}
     model, result = _train(rt, FAST, broken=True, **kwargs)
