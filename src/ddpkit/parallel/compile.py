@@ -7,11 +7,12 @@ keyword arguments), per strategy:
   (``ddp_model = DDP(model); ddp_model = torch.compile(ddp_model)``): dynamo then sees DDP's
   buckets and its DDPOptimizer splits the graph at their boundaries, so each bucket's all-reduce
   still overlaps the backward of the rest. ddpkit compiles with ``nn.Module.compile()``, which
-  is that same ``torch.compile`` of the wrapper's call (the same graphs, measured: the same
-  split, bitwise the same parameters after the same steps), applied in place: the model stays a
-  ``DistributedDataParallel`` (no ``OptimizedModule``), so ``model.module``, ``no_sync()``, comm
-  hooks, local SGD and ddpkit's guards see what they know, and ``model.state_dict()`` never
-  gains ``_orig_mod.`` keys (checkpoints of compiled and eager runs are interchangeable).
+  is that same ``torch.compile`` of the wrapper's call (measured with ``aot_eager``: the same
+  graphs and split, bitwise the same parameters after the same steps), applied in place: the
+  model stays a ``DistributedDataParallel`` (no ``OptimizedModule``), so ``model.module``,
+  ``no_sync()``, comm hooks, local SGD and ddpkit's guards see what they know, and
+  ``model.state_dict()`` never gains ``_orig_mod.`` keys (checkpoints of compiled and eager
+  runs are interchangeable).
 - ``single`` (one process): the module compiled in place.
 - ``fsdp`` (FSDP2, built by ``fully_shard``): each sharded block (every ``FSDPModule`` below the
   root, else the root) compiled in place, torchtitan's per-block form: one graph per block,
