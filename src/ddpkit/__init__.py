@@ -43,6 +43,7 @@ from ddpkit.distributed.sampler import (
 )
 from ddpkit.distributed.watchdog import DeadlockError, StallError
 from ddpkit.errors import ConfigError, DataError, DdpkitError, DistributedError
+from ddpkit.guards.grad_sync import GradSyncCheck, GradSyncError
 from ddpkit.guards.nonfinite import NonFiniteError, NonFiniteGuard
 from ddpkit.guards.replicas import ReplicaDivergenceError, check_replicas
 from ddpkit.guards.wrapped import WrappedModelError
@@ -70,6 +71,8 @@ __all__ = [
     "DdpkitError",
     "DeadlockError",
     "DistributedError",
+    "GradSyncCheck",
+    "GradSyncError",
     "GradientAccumulator",
     "MixedPrecision",
     "NonFiniteError",

@@ -47,6 +47,14 @@ NUM_CUDA = torch.cuda.device_count() if torch.cuda.is_available() else 0
             "grad_compression='fp16', sync_batchnorm=True with strategy='single' "
             "(world_size=1). These configure DDP's gradient sync, and strategy 'single' has none",
         ),
+        (
+            ["--compile", "--strategy", "dp", "--nproc", "1"],
+            "compile=True with strategy='dp'. DataParallel replicates the module on every "
+            "forward, which torch.compile does not support",
+        ),
+        (["--compile", "--bucket-cap-mb", "0.5"], "compile=True with bucket_cap_mb=0.5. torch"),
+        (["--compile-backend", "eager"], "compile_backend='eager' without compile=True"),
+        (["--compile-backend", "tvm"], "argument --compile-backend: invalid choice: 'tvm'"),
         pytest.param(
             ["--strategy", "dp"],
             f"strategy='dp' needs 2 or more CUDA devices: found {NUM_CUDA}",
@@ -78,6 +86,8 @@ def test_help_lists_the_flags_with_units(capsys):
         "--powersgd-start-step STEPS",
         "--sync-every H",
         "--sync-batchnorm",
+        "--compile torch.compile the wrapped model (after DDP, in place",
+        "--compile-backend NAME torch.compile backend with --compile: inductor (default",
     ):
         assert snippet in text, snippet
 

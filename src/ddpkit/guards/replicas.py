@@ -108,6 +108,30 @@ def _digest_words(words: torch.Tensor) -> torch.Tensor:
     )
 
 
+def differing_from_rank_zero(
+    tensors: Sequence[torch.Tensor], runtime: Runtime, *, op: str
+) -> dict[int, list[int]]:
+    """``{rank: indices of the tensors whose bytes differ from rank 0's}``, ranks 1.. in order
+    (only those that differ). Exact (:func:`tensor_digests`), one all-gather of
+    ``24 * len(tensors)`` bytes under the watchdog as ``op``.
+
+    Collective: call on every rank with the same number of tensors. ``{}`` at world size 1.
+    """
+    if runtime.process_group is None:
+        return {}
+    local = tensor_digests(tensors).to(runtime.device)
+    gathered = [torch.empty_like(local) for _ in range(runtime.world_size)]
+    with runtime.watch(op):
+        dist.all_gather(gathered, local, group=runtime.process_group)
+    reference = gathered[0].cpu()
+    differing = {}
+    for rank, other in enumerate(gathered[1:], start=1):
+        indices = (reference != other.cpu()).any(dim=1).nonzero().flatten().tolist()
+        if indices:
+            differing[rank] = indices
+    return differing
+
+
 def _ddp_layer(model: nn.Module) -> DistributedDataParallel | None:
     """The DDP wrapper of ``model`` (also under ``torch.compile``), or None."""
     while not isinstance(model, DistributedDataParallel):
@@ -181,17 +205,14 @@ def check_replicas(model: nn.Module, runtime: Runtime, *, step: int) -> None:
     params = list(model.named_parameters())
     buffers = [(n, b) for n, b in model.named_buffers() if id(b) not in skipped]
     names = [n for n, _ in params + buffers]
-    local = tensor_digests([t for _, t in params + buffers]).to(runtime.device)
-    gathered = [torch.empty_like(local) for _ in range(runtime.world_size)]
-    with runtime.watch("replica check all_gather"):
-        dist.all_gather(gathered, local, group=runtime.process_group)
-    reference = gathered[0].cpu()
     num_params = len(params)
     param_problems, buffer_problems = [], []
-    for rank, other in enumerate(gathered[1:], start=1):
-        differs = (reference != other.cpu()).any(dim=1).tolist()
-        bad_params = [n for i, n in enumerate(names[:num_params]) if differs[i]]
-        bad_buffers = [n for i, n in enumerate(names[num_params:]) if differs[num_params + i]]
+    differing = differing_from_rank_zero(
+        [t for _, t in params + buffers], runtime, op="replica check all_gather"
+    )
+    for rank, indices in differing.items():
+        bad_params = [names[i] for i in indices if i < num_params]
+        bad_buffers = [names[i] for i in indices if i >= num_params]
         if bad_params:
             param_problems.append(f"rank {rank} differs in {', '.join(bad_params)}")
         if bad_buffers:

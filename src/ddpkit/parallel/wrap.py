@@ -9,7 +9,8 @@ Strategies:
 - ``auto``: ``ddp`` when the world size is above 1, else ``single``.
 
 Wrap-time options: ``sync_batchnorm`` (see :mod:`ddpkit.parallel.syncbn`), ``grad_compression``
-and byte counting (see :mod:`ddpkit.parallel.comm`).
+and byte counting (see :mod:`ddpkit.parallel.comm`), ``compile`` (``torch.compile`` in place,
+in torch's order, with the first steps' gradients checked: see :mod:`ddpkit.parallel.compile`).
 """
 
 from __future__ import annotations
@@ -80,6 +81,8 @@ def wrap_model(
     powersgd_rank: int = 1,
     powersgd_start_step: int = 10,
     device_ids: list[int] | None = None,
+    compile: bool | dict[str, Any] = False,
+    grad_sync_check_steps: int | None = None,
     **ddp_kwargs: Any,
 ) -> nn.Module:
     """Move ``model`` to the rank's device and wrap it for ``strategy``.
@@ -115,6 +118,13 @@ def wrap_model(
         powersgd_rank: rank of PowerSGD's low-rank factors (``powersgd`` only).
         powersgd_start_step: backward passes with plain all-reduce before PowerSGD starts.
         device_ids: CUDA devices for ``dp`` (default: all).
+        compile: ``True`` or a dict of ``torch.compile`` keyword arguments (``backend``,
+            ``mode``, ``dynamic``, ...): compile after wrapping, in place (the model keeps its
+            class, ``model.module`` and its state dict keys: no ``_orig_mod.``); see
+            :mod:`ddpkit.parallel.compile`. The first forward compiles. Not for ``dp``.
+        grad_sync_check_steps: compare the gradients across ranks before the first N optimizer
+            steps (:class:`~ddpkit.guards.grad_sync.GradSyncCheck`; ``ddp``). Default: 3 with
+            ``compile``, else 0 (off).
         **ddp_kwargs: passed to ``DistributedDataParallel`` (``bucket_cap_mb`` in MiB,
             ``gradient_as_bucket_view``, ``find_unused_parameters``, ``static_graph``, ...).
 
@@ -125,9 +135,12 @@ def wrap_model(
         ConfigError: unknown strategy or compression; a keyword ``DistributedDataParallel``
             does not take; the model is already wrapped; ``ddp`` options with an explicit
             ``strategy="single"``/``"dp"``; ``dp`` without 2+ CUDA devices or with several
-            processes.
+            processes; ``compile`` not a bool or dict of ``torch.compile`` keywords, with
+            ``dp``, or with ``bucket_cap_mb`` below 1 (DDPOptimizer's first bucket).
         DistributedError: ``ddp`` asked for without a process group (world size 1).
         WrappedModelError: (``ddp``) the ranks' models differ in their trainable parameters.
+        GradSyncError: later, from ``optimizer.step()`` on every rank, when the gradients of
+            a checked step differ across ranks (they were not all-reduced).
 
     Example:
         >>> stats = CommStats()
@@ -144,13 +157,16 @@ def wrap_model(
         sync_batchnorm,
         ddp_kwargs,
     )
+    from ddpkit.parallel.compile import finish_compile, prepare_compile  # imports guards
+
+    options, check_steps = prepare_compile(strategy, compile, grad_sync_check_steps, ddp_kwargs)
     if strategy == "dp":
         from ddpkit.parallel.dp import wrap_data_parallel
 
         return wrap_data_parallel(model, runtime, device_ids)
     if strategy == "single":
         unused = _ddp_options_given(grad_compression, sync_batchnorm, ddp_kwargs)
-        return _single(model, runtime, unused)
+        return finish_compile(_single(model, runtime, unused), runtime, strategy, options, 0)
     if sync_batchnorm:
         from ddpkit.parallel.syncbn import convert_sync_batchnorm
 
@@ -173,7 +189,7 @@ def wrap_model(
             powersgd_start_step=powersgd_start_step,
         )
     WrapGuard(ddp_model, runtime).attach()
-    return ddp_model
+    return finish_compile(ddp_model, runtime, strategy, options, check_steps)
 
 
 def _check_wrap_args(

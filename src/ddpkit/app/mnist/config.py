@@ -28,6 +28,8 @@ from ddpkit.parallel.wrap import STRATEGIES
 from ddpkit.settings import at_least, field_problems, finite, option, resume_keys
 from ddpkit.training.precision import PRECISIONS
 
+COMPILE_BACKENDS = ("inductor", "aot_eager", "eager")
+
 
 def _output_dir_rule(path: str) -> str | None:
     """Why ``path`` cannot be an output folder, checked without creating anything."""
@@ -176,6 +178,17 @@ class WrapConfig:
         False, "convert BatchNorm layers to synchronised ones (statistics over all ranks' "
         "samples); the MNIST CNN has no BatchNorm, so here it only logs that",
     )  # fmt: skip
+    compile: bool = option(
+        False, "torch.compile the wrapped model (after DDP, in place: checkpoints keep their "
+        "keys and resume either way). The first step compiles (seconds to a minute on CPU, "
+        "where inductor did not beat eager for this CNN; see docs/performance.md); gradients "
+        "are compared across ranks before the first 3 optimizer steps",
+    )  # fmt: skip
+    compile_backend: str = option(
+        "inductor", "torch.compile backend with --compile: inductor (default; generates "
+        "kernels), aot_eager (traces forward and backward, runs them eagerly: fast to compile), "
+        "eager (tracing only)", choices=COMPILE_BACKENDS, metavar="NAME",
+    )  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -323,7 +336,8 @@ def check(config: TrainConfig, *, world_size: int | None = None) -> None:
     problems = field_problems(config)
     if not problems:  # the rules below compare values that are each valid
         size = world_size if world_size is not None else config.nproc
-        problems = [p for rule in (_step_rules, _local_sgd_rules) for p in rule(config)]
+        rules = (_step_rules, _local_sgd_rules, _compile_rules)
+        problems = [p for rule in rules for p in rule(config)]
         problems += _strategy_rules(config, size) if size is not None else []
     if problems:
         raise ConfigError(f"invalid config: {'. '.join(problems)}.")
@@ -341,6 +355,28 @@ def _step_rules(c: TrainConfig) -> list[str]:
         problems.append(
             f"static_graph=True with grad_accum={c.grad_accum}. torch's DDP breaks no_sync in "
             "static-graph mode (pytorch/pytorch#143580). Drop static_graph or set grad_accum=1"
+        )
+    return problems
+
+
+def _compile_rules(c: TrainConfig) -> list[str]:
+    if not c.compile:
+        if c.compile_backend != "inductor":
+            return [
+                f"compile_backend={c.compile_backend!r} without compile=True. The backend is "
+                "used only when compiling. Add --compile, or drop --compile-backend"
+            ]
+        return []
+    problems = []
+    if c.strategy == "dp":
+        problems.append(
+            "compile=True with strategy='dp'. DataParallel replicates the module on every "
+            "forward, which torch.compile does not support. Use strategy='ddp' or drop --compile"
+        )
+    if c.bucket_cap_mb is not None and c.bucket_cap_mb < 1:
+        problems.append(
+            f"compile=True with bucket_cap_mb={c.bucket_cap_mb:g}. torch.compile's DDPOptimizer "
+            "needs buckets of at least its 1 MiB first bucket. Use --bucket-cap-mb 1 or more"
         )
     return problems
 

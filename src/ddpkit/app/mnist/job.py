@@ -79,6 +79,7 @@ def build_model_and_optimizer(
         comm_stats=stats if hooked else None,
         powersgd_rank=config.powersgd_rank,
         powersgd_start_step=config.powersgd_start_step,
+        compile={"backend": config.compile_backend} if config.compile else False,
         **ddp_kwargs,
     )  # DDP when world_size > 1; replicas start equal
     inner = build_optimizer(config.optimizer, model.parameters(), config.lr)
@@ -253,10 +254,11 @@ def _log_setup(config: TrainConfig, runtime: Runtime, dataset: str, job: MnistTr
         runtime.device, job.num_train, job.num_test, global_batch,
     )  # fmt: skip
     log.info(
-        "gradient sync: strategy %s, compression %s, %s, bucket cap %s",
+        "gradient sync: strategy %s, compression %s, %s, bucket cap %s%s",
         config.strategy, config.grad_compression,
         f"local SGD averaging every {config.sync_every} steps" if job.averager else "every step",
         "torch default" if config.bucket_cap_mb is None else f"{config.bucket_cap_mb} MiB",
+        f", torch.compile backend {config.compile_backend}" if config.compile else "",
     )  # fmt: skip
 
 
