@@ -55,9 +55,9 @@ from ddpkit.checkpoint.objects import (
     check_saved_state,
     check_state,
     is_local_sgd_optimizer,
-    is_zero_optimizer,
 )
 from ddpkit.checkpoint.rng import restore_rng_state
+from ddpkit.checkpoint.sharded import check_layouts, load_sharded, save_sharded, sharded_entries
 from ddpkit.checkpoint.state import load_model_state, rng_state
 from ddpkit.distributed.collectives import all_gather_object, all_reduce_sum, barrier
 from ddpkit.distributed.loader import ShardedLoader
@@ -225,36 +225,45 @@ class CheckpointManager:
             >>> ckpt.save(step)  # doctest: +SKIP
         """
         managed = self._managed("save")
-        for obj in managed.values():
-            if is_zero_optimizer(obj) and self.runtime.process_group is not None:
-                with self.runtime.watch("ZeroRedundancyOptimizer.consolidate_state_dict"):
-                    obj.consolidate_state_dict(to=0)
+        sharded = sharded_entries(managed, self.runtime)  # through DCP: every rank its shard
         digests = replicated_digests(managed) if self.runtime.process_group is not None else {}
         gathered = all_gather_object({"rng": rng_state(), "digests": digests}, self.runtime)
         found = differences([g["digests"] for g in gathered])
         raise_if_parameters_differ(found, step)
         folder, error = self.directory / checkpoint_dir_name(step), None
+
+        def replicated() -> dict[str, Any]:  # on rank 0: what it alone writes, in state.pt
+            if found:
+                log.warning(describe(found, folder.name, _notes(managed)))
+            return {
+                "state": {n: _module_or_state(o) for n, o in managed.items() if n not in sharded},
+                "rng_per_rank": [g["rng"] for g in gathered],
+            }
+
+        if sharded:
+            return save_sharded(
+                self.runtime, self.directory, managed, sharded, step,
+                replicated=replicated, meta=self._meta(found), prune=self._prune,
+            )  # fmt: skip
         if self.runtime.is_rank_zero:
             try:
-                if found:
-                    log.warning(describe(found, folder.name, _notes(managed)))
-                state = {
-                    "state": {name: _module_or_state(obj) for name, obj in managed.items()},
-                    "rng_per_rank": [g["rng"] for g in gathered],
-                }
-                folder = self._write(step, state, found)
+                folder = self._write(step, replicated(), found)
             except Exception as exc:  # noqa: BLE001 - every rank must learn of it
                 error = exc
         self._agree_written(step, error)
         return folder
 
+    def _meta(self, found: dict) -> dict[str, Any]:
+        """What the manifest records besides the files: world size, settings, differences."""
+        meta: dict[str, Any] = {"world_size": self.runtime.world_size, "extra": self.extra}
+        if found:
+            meta["differs_across_ranks"] = {s: list(ranks) for s, ranks in found.items()}
+        return meta
+
     def _write(self, step: int, state: dict, found: dict) -> Path:
         """Rank 0: write the folder atomically, then prune older ones."""
         state.update(step=step, world_size=self.runtime.world_size, extra=self.extra)
-        meta = {"world_size": self.runtime.world_size, "extra": self.extra}
-        if found:
-            meta["differs_across_ranks"] = {s: list(ranks) for s, ranks in found.items()}
-        folder = write_checkpoint(self.directory, step, state, meta)
+        folder = write_checkpoint(self.directory, step, state, self._meta(found))
         self._prune()
         return folder
 
@@ -398,19 +407,23 @@ class CheckpointManager:
         """
         managed = self.state
         saved = _saved_state(folder, state)
-        check_saved_state(folder, saved, managed)
+        sharded = state.get("sharded", {})  # restored through DCP, resharded
+        check_saved_state(folder, {**dict.fromkeys(sharded), **saved}, managed)
+        check_layouts(folder, managed, sharded, set(saved))
         rng_per_rank = state["rng_per_rank"]
         saved_world_size = saved_world_size or len(rng_per_rank)
         world_size = self.runtime.world_size
         loaders = [n for n, obj in managed.items() if isinstance(obj, ShardedLoader)]
-        modules = [n for n, obj in managed.items() if isinstance(obj, torch.nn.Module)]
-        for name in loaders + modules + [n for n in managed if n not in loaders + modules]:
-            if name in loaders:  # an old state has no world size: it is the manifest's
-                managed[name].load_state_dict({"world_size": saved_world_size, **saved[name]})
-            elif name in modules:
-                load_model_state(managed[name], saved[name])
-            else:
-                managed[name].load_state_dict(saved[name])
+        modules = [n for n, o in managed.items() if isinstance(o, torch.nn.Module) and n in saved]
+        rest = [n for n in managed if n not in loaders + modules and n in saved]
+        for name in loaders:  # an old state has no world size: it is the manifest's
+            managed[name].load_state_dict({"world_size": saved_world_size, **saved[name]})
+        for name in modules:
+            load_model_state(managed[name], saved[name])
+        if sharded:  # the sharded model and optimizers, resharded (one collective)
+            load_sharded(self.runtime, folder, managed, sharded)
+        for name in rest:
+            managed[name].load_state_dict(saved[name])
         rng = restore_rng_state(rng_per_rank, self.runtime.rank, world_size, step=state["step"])
         if saved_world_size == world_size:
             return ""
