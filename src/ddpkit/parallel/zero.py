@@ -18,6 +18,7 @@ from collections.abc import Iterable
 from typing import Any
 
 import torch
+from torch import nn
 
 from ddpkit.distributed.process_group import Runtime
 from ddpkit.log import get_logger
@@ -74,9 +75,12 @@ def build_zero_optimizer(
         return optimizer_class(params, **defaults)
     from torch.distributed.optim import ZeroRedundancyOptimizer
 
+    # every hyperparameter, as optimizer_class fills them in (betas, eps, ...): ZeRO keeps only
+    # those passed in its param_groups, and LR schedules that cycle momentum look for them there
+    full = optimizer_class([nn.Parameter(torch.zeros(1))], **defaults).defaults
     return ZeroRedundancyOptimizer(
         params,
         optimizer_class=optimizer_class,
         process_group=runtime.process_group,
-        **defaults,
+        **full,
     )
