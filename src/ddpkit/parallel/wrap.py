@@ -190,6 +190,25 @@ def wrap_model(
         from ddpkit.parallel.fsdp import wrap_fsdp
 
         return wrap_fsdp(model, runtime, **fsdp_options)
+    return _wrap_ddp(
+        model, runtime, strategy, grad_compression=grad_compression, comm_stats=comm_stats,
+        powersgd_rank=powersgd_rank, powersgd_start_step=powersgd_start_step,
+        ddp_kwargs=ddp_kwargs,
+    )  # fmt: skip
+
+
+def _wrap_ddp(
+    model: nn.Module,
+    runtime: Runtime,
+    strategy: str,
+    *,
+    grad_compression: str,
+    comm_stats: CommStats | None,
+    powersgd_rank: int,
+    powersgd_start_step: int,
+    ddp_kwargs: dict[str, Any],
+) -> DistributedDataParallel:
+    """``ddp`` and ``zero1``: the parameters compared, DDP built, its comm hook, the guard."""
     model = model.to(runtime.device)
     verify_same_parameters(model, runtime)
     if grad_compression == "powersgd":
