@@ -18,7 +18,6 @@ from collections.abc import Iterable
 from typing import Any
 
 import torch
-from torch import nn
 
 from ddpkit.distributed.process_group import Runtime
 from ddpkit.log import get_logger
@@ -75,12 +74,13 @@ def build_zero_optimizer(
         return optimizer_class(params, **defaults)
     from torch.distributed.optim import ZeroRedundancyOptimizer
 
-    # every hyperparameter, as optimizer_class fills them in (betas, eps, ...): ZeRO keeps only
-    # those passed in its param_groups, and LR schedules that cycle momentum look for them there
-    full = optimizer_class([nn.Parameter(torch.zeros(1))], **defaults).defaults
-    return ZeroRedundancyOptimizer(
-        params,
-        optimizer_class=optimizer_class,
-        process_group=runtime.process_group,
-        **full,
+    zero = ZeroRedundancyOptimizer(
+        params, optimizer_class=optimizer_class, process_group=runtime.process_group, **defaults
     )
+    # every hyperparameter, as optimizer_class fills them in (betas, eps, ...): ZeRO's groups
+    # hold only those passed, and LR schedules that cycle momentum look for betas there
+    for name, value in zero.optim.defaults.items():
+        zero.defaults.setdefault(name, value)
+        for group in zero.param_groups:
+            group.setdefault(name, value)
+    return zero
