@@ -230,3 +230,45 @@ def test_export_gives_a_plain_state_dict_file(tmp_path):
     assert bad.returncode == 2
     assert bad.stderr.startswith("ddpkit checkpoint: error: corrupt checkpoint: path=")
     assert len(bad.stderr.strip().splitlines()) == 1 and not (tmp_path / "x.pt").exists()
+
+
+def _async_run(rt, directory: str) -> dict:
+    """Save step STOP asynchronously, train two more steps while it is written, then commit."""
+    model = ddpkit.wrap_model(_net(), rt, strategy="fsdp")
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    schedule = torch.optim.lr_scheduler.StepLR(optimizer, step_size=2, gamma=0.7)
+    loader = ddpkit.build_train_loader(_dataset(), rt, batch_size=GLOBAL_BATCH // rt.world_size,
+                                       seed=3)  # fmt: skip
+    state = {"model": model, "optimizer": optimizer, "scheduler": schedule, "loader": loader}
+    ckpt = ddpkit.CheckpointManager(directory, rt, state=state, async_save=True)
+    train_step = ddpkit.TrainStep(model, optimizer, runtime=rt)
+    out: dict = {}
+    for result in ddpkit.train_epoch(train_step, loader):
+        schedule.step()
+        if result.step == STOP:
+            folder = ckpt.save(STOP)
+            out.update(_snapshot(model, optimizer, "fsdp", rt))
+            out["folder_before_wait"] = folder.exists()
+        if result.step == STOP + 2:  # the parameters changed while the shards were written
+            out["committed"] = str(ckpt.wait())
+            out["folder_after_wait"] = folder.exists()
+            out["wait_again"] = ckpt.wait()
+            return out
+    raise AssertionError("the epoch ended early")
+
+
+@pytest.mark.slow
+def test_async_save_commits_at_wait_and_resumes_bitwise(tmp_path):
+    reference = run_distributed(_run, 2, args=("fsdp", str(tmp_path / "ref"), None, False),
+                                timeout_s=120)  # fmt: skip
+    saved = run_distributed(_async_run, 2, args=(str(tmp_path / "run"),), timeout_s=120)
+    assert saved[0]["folder_before_wait"] is False  # never a step- folder before the commit
+    assert saved[0]["folder_after_wait"] is True and saved[0]["wait_again"] is None
+    assert saved[0]["committed"] == str(tmp_path / "run" / f"step-{STOP:08d}")
+    resumed = run_distributed(_run, 2, args=("fsdp", str(tmp_path / "run"), None, True),
+                              timeout_s=120)  # fmt: skip
+    assert resumed[0]["resumed_at"] == STOP
+    assert _same(resumed[0]["model"], saved[0]["model"])  # as at save time, not 2 steps later
+    assert _same(resumed[0]["optimizer"], saved[0]["optimizer"])
+    for step in range(STOP + 1, TOTAL_STEPS + 1):
+        assert resumed[0]["losses"][step] == reference[0]["losses"][step], step

@@ -49,6 +49,7 @@ COLUMNS = (
     ("optimizer_mib", "optim MiB", ".1f"),
     ("state_fraction_of_ddp", "p+g+o / ddp", ".3f"),
     ("peak_rss_mib", "peak RSS MiB", ".0f"),
+    ("rss_end_mib", "RSS end MiB", ".0f"),
     ("comm_mib_per_step", "comm MiB/step", ".1f"),
     ("samples_per_s", "samples/s", ".2f"),
     ("ratio_to_ddp", "x ddp", ".3f"),
@@ -126,7 +127,7 @@ def run_one(strategy: str, nproc: int, settings: MemorySettings) -> dict:
             "with --strategies and --max-nproc to see it."
         ) from None
     largest = {k: max(r[k] for r in ranks) for k in ("param_bytes", "grad_bytes",
-               "optimizer_bytes", "peak_rss_mib", "rss_start_mib")}  # fmt: skip
+               "optimizer_bytes", "peak_rss_mib", "rss_start_mib", "rss_end_mib")}  # fmt: skip
     comm = sum(ranks[0]["comm_bytes_per_step"].values())
     samples = nproc * settings.batch_size * settings.num_steps
     return {**largest, "comm_bytes_per_step": comm, "comm_by_op": ranks[0]["comm_bytes_per_step"],
@@ -162,6 +163,7 @@ def summarize(per_round: list[dict], runs: list[tuple[str, int]]) -> list[dict]:
             "param_mib": last["param_bytes"] / MIB, "grad_mib": last["grad_bytes"] / MIB,
             "optimizer_mib": last["optimizer_bytes"] / MIB,
             "peak_rss_mib": median([r[(strategy, nproc)]["peak_rss_mib"] for r in per_round]),
+            "rss_end_mib": median([r[(strategy, nproc)]["rss_end_mib"] for r in per_round]),
             "comm_mib_per_step": last["comm_bytes_per_step"] / MIB,
             "comm_by_op_mib": {k: v / MIB for k, v in last["comm_by_op"].items()},
             "samples_per_s": median([r[(strategy, nproc)]["samples_per_s"] for r in per_round]),
@@ -213,8 +215,8 @@ def run(args: argparse.Namespace) -> int:
               settings.num_warmup_steps, "rounds": args.rounds,
               "omp_num_threads": settings.num_threads, "optimizer": "adamw"}  # fmt: skip
     if args.csv:
-        write_csv(Path(args.csv), [{k: v for k, v in r.items() if k != "comm_by_op_mib"}
-                                   for r in rows])  # fmt: skip
+        keys = [key for key, _, _ in COLUMNS] + ["optimizer_fraction_of_ddp"]
+        write_csv(Path(args.csv), [{k: r.get(k) for k in keys} for r in rows])
     if args.json:
         payload = {"rows": rows, "goals": goals(rows), "machine": machine(), "settings": record}
         print(json.dumps(payload, indent=2, allow_nan=False))

@@ -14,7 +14,9 @@ warm-up steps, then:
   points for that step only: ``all_gather_single`` (output bytes), ``reduce_scatter_single``
   (input bytes), ``broadcast`` and ``all_reduce`` (tensor bytes). DDP's gradient all-reduce runs
   in C++ and is counted as the gradient bytes its buckets carry (every trainable parameter's);
-- ``K`` timed steps between two barriers; the peak RSS of the process (``ru_maxrss``) at the end.
+- ``K`` timed steps between two barriers; the peak RSS of the process (``ru_maxrss``: the
+  high-water mark since the process started, model construction included) and its RSS at the
+  end (``VmRSS``).
 """
 
 from __future__ import annotations
@@ -33,11 +35,11 @@ import torch.distributed as dist
 from torch import nn
 
 STRATEGIES = ("ddp", "zero1", "fsdp")
-COUNTED = {  # torch.distributed function -> which tensor argument's bytes count
-    "all_gather_single": 0,  # output (the gathered tensor)
-    "reduce_scatter_single": 1,  # input (the unsharded tensor)
-    "broadcast": 0,
-    "all_reduce": 0,
+COUNTED = {  # torch.distributed function -> (position, keyword) of the tensor whose bytes count
+    "all_gather_single": (0, "output_tensor"),  # the gathered (unsharded) tensor
+    "reduce_scatter_single": (1, "input"),  # the unsharded tensor reduced
+    "broadcast": (0, "tensor"),
+    "all_reduce": (0, "tensor"),
 }
 
 
@@ -103,12 +105,10 @@ def counting_collectives(counts: dict[str, int]) -> Iterator[None]:
     originals = {name: getattr(dist, name) for name in COUNTED}
 
     def counting(name: str):
+        position, keyword = COUNTED[name]
+
         def call(*args: Any, **kwargs: Any) -> Any:
-            tensor = (
-                args[COUNTED[name]]
-                if len(args) > COUNTED[name]
-                else next(v for v in kwargs.values() if isinstance(v, torch.Tensor))
-            )
+            tensor = args[position] if len(args) > position else kwargs[keyword]
             counts[name] = counts.get(name, 0) + tensor.numel() * tensor.element_size()
             return originals[name](*args, **kwargs)
 
@@ -153,7 +153,7 @@ def memory_worker(store: dist.Store, strategy: str, settings: MemorySettings) ->
         wrapped = strategy if runtime.world_size > 1 else "single"
         model = wrap_model(build_mlp(settings), runtime, strategy=wrapped)
         optimizer = _optimizer(model, runtime, wrapped)
-        step = TrainStep(model, optimizer, runtime=runtime)
+        step = TrainStep(model, optimizer, runtime=runtime, same_batch_sizes=True)
         windows = step.windows(_batches(settings, runtime.rank))
         for _ in range(settings.num_warmup_steps):
             step(next(windows))
@@ -171,10 +171,18 @@ def memory_worker(store: dist.Store, strategy: str, settings: MemorySettings) ->
             "seconds": seconds,
             "rss_start_mib": rss_start_mib,
             "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+            "rss_end_mib": _rss_now_mib(),
         }
         del windows, step, optimizer, model  # freed while their process group still exists
         gc.collect()
         return result
+
+
+def _rss_now_mib() -> float:
+    """This process's resident set now (``VmRSS`` of ``/proc/self/status``), in MiB."""
+    with open("/proc/self/status") as status:
+        line = next(x for x in status if x.startswith("VmRSS:"))
+    return int(line.split()[1]) / 1024
 
 
 def _timed(runtime: Any, step: Any, windows: Iterator[Any], num_steps: int) -> float:

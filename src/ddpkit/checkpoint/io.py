@@ -71,7 +71,7 @@ def commit_checkpoint(
     tmp: Path,
     directory: Path,
     step: int,
-    state: dict[str, Any],
+    state: dict[str, Any] | None,
     meta: dict,
     files: dict[str, str] | None = None,
 ) -> Path:
@@ -79,8 +79,9 @@ def commit_checkpoint(
     ``step-XXXXXXXX`` in one ``rename``; returns the final folder. Not a collective.
 
     ``files``: SHA-256 of files already in ``tmp`` (a sharded checkpoint's DCP shards, by path
-    relative to ``tmp``), listed in the manifest beside ``state.pt``'s. On any error ``tmp`` is
-    removed before the error propagates.
+    relative to ``tmp``), listed in the manifest beside ``state.pt``'s. ``state=None``: ``state.pt``
+    is in ``tmp`` already (:func:`write_state_file`). On any error ``tmp`` is removed before the
+    error propagates.
     """
     final = directory / checkpoint_dir_name(step)
     try:
@@ -95,9 +96,17 @@ def commit_checkpoint(
     return final
 
 
-def _write_files(tmp: Path, step: int, state: dict[str, Any], meta: dict, files: dict) -> None:
+def write_state_file(tmp: Path, state: dict[str, Any]) -> None:
+    """``tmp/state.pt`` written and fsynced (an asynchronous save writes it first)."""
     torch.save(state, tmp / STATE_FILE)
     _fsync(tmp / STATE_FILE)
+
+
+def _write_files(
+    tmp: Path, step: int, state: dict[str, Any] | None, meta: dict, files: dict
+) -> None:
+    if state is not None:
+        write_state_file(tmp, state)
     manifest = {
         "format": FORMAT_VERSION,
         "step": step,

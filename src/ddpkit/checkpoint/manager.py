@@ -33,6 +33,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from ddpkit.checkpoint.async_save import AsyncShardedSaves
 from ddpkit.checkpoint.consistency import (
     BUFFERS_OF,
     describe,
@@ -153,6 +154,10 @@ class CheckpointManager:
         every_epochs: :meth:`maybe_save_epoch` saves after every this many epochs (0 = never).
         extra: JSON settings written to the manifest (batch size, lr, ...); :meth:`resume`
             refuses a checkpoint whose settings differ (see :func:`check_compatible`).
+        async_save: write sharded state (``fsdp``, ``zero1``) in a background thread
+            (torch's ``dcp.async_save``), committed at the next save, resume or :meth:`wait`
+            (see :mod:`ddpkit.checkpoint.async_save`). Off by default; replicated-only state is
+            always written synchronously.
 
     Raises:
         ConfigError: ``keep_last < 1``, or a negative ``every_steps``/``every_epochs``.
@@ -175,6 +180,7 @@ class CheckpointManager:
         every_steps: int = 0,
         every_epochs: int = 0,
         extra: Mapping[str, Any] | None = None,
+        async_save: bool = False,
     ) -> None:
         if keep_last < 1 or every_steps < 0 or every_epochs < 0:
             raise ConfigError(
@@ -189,6 +195,8 @@ class CheckpointManager:
         self.keep_last = keep_last
         self.every_steps = every_steps
         self.every_epochs = every_epochs
+        self.async_save = async_save
+        self._async: AsyncShardedSaves | None = None
 
     def _managed(self, action: str) -> dict[str, Any]:
         if not self.state:
@@ -240,6 +248,12 @@ class CheckpointManager:
                 "rng_per_rank": [g["rng"] for g in gathered],
             }
 
+        if sharded and self.async_save:
+            self._async = self._async or AsyncShardedSaves(self.runtime)
+            return self._async.start(
+                self.directory, managed, sharded, step,
+                replicated=replicated, meta=self._meta(found), prune=self._prune,
+            )  # fmt: skip
         if sharded:
             return save_sharded(
                 self.runtime, self.directory, managed, sharded, step,
@@ -252,6 +266,18 @@ class CheckpointManager:
                 error = exc
         self._agree_written(step, error)
         return folder
+
+    def wait(self) -> Path | None:
+        """Commit the asynchronous save still in flight (``async_save=True``); returns its
+        folder, ``None`` when there is none. Call it on every rank before the job ends: a save
+        not waited for stays a ``.tmp-`` folder, and a resume uses the previous checkpoint.
+
+        Collective: call on every rank (a no-op everywhere when nothing is in flight).
+
+        Raises:
+            DistributedError: a rank failed to write its shard (nothing is committed).
+        """
+        return self._async.finish() if self._async is not None else None
 
     def _meta(self, found: dict) -> dict[str, Any]:
         """What the manifest records besides the files: world size, settings, differences."""
@@ -372,6 +398,7 @@ class CheckpointManager:
             >>> step = ckpt.resume()  # doctest: +SKIP
         """
         self._managed("resume")
+        self.wait()  # an asynchronous save in flight is committed first
         if path is not None:
             found: tuple[Path, dict[str, Any]] | None = (Path(path), load_checkpoint(Path(path)))
         else:

@@ -133,7 +133,7 @@ def zero_shard_state(optimizer: Any) -> dict[str, Any]:
     return {"state": owned, "param_groups": _param_groups(optimizer)}
 
 
-def _sharded_state(state: Mapping[str, Any], entries: dict[str, str]) -> dict[str, Any]:
+def sharded_state(state: Mapping[str, Any], entries: dict[str, str]) -> dict[str, Any]:
     """What DCP saves: ``{name: state dict}`` for every sharded entry."""
     from torch.distributed.checkpoint.state_dict import get_state_dict
 
@@ -157,7 +157,7 @@ def _own_files(dcp_dir: Path, rank: int) -> dict[str, str]:
     return {f"{SHARDED_DIR}/{n}": sha256_file(dcp_dir / n) for n in names}
 
 
-def _raise_if_any(results: list[dict], step: int, what: str) -> None:
+def raise_if_any(results: list[dict], step: int, what: str) -> None:
     """Raise on every rank when some rank reported an error (the same decision everywhere).
 
     Raises:
@@ -172,8 +172,59 @@ def _raise_if_any(results: list[dict], step: int, what: str) -> None:
         )
 
 
-def _error_text(exc: BaseException) -> str:
+def error_text(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"[:500]
+
+
+def prepare_folder(runtime: Runtime, tmp: Path, step: int) -> None:
+    """Rank 0 creates the shared temporary folder ``tmp/dcp``; every rank learns whether it
+    could. Collective (one all-gather).
+
+    Raises:
+        DistributedError: rank 0 could not create it (on every rank).
+    """
+    error = None
+    if runtime.is_rank_zero:
+        try:
+            shutil.rmtree(tmp, ignore_errors=True)
+            (tmp / SHARDED_DIR).mkdir(parents=True)
+        except OSError as exc:
+            error = error_text(exc)
+    raise_if_any(all_gather_object({"error": error}, runtime), step, "creating the folder")
+
+
+def gather_hashes(runtime: Runtime, tmp: Path, step: int, error: str | None) -> dict[str, str]:
+    """Each rank's SHA-256 of its own DCP files (or its ``error``), brought to every rank;
+    returns them all. Collective (one all-gather).
+
+    Raises:
+        DistributedError: a rank failed (named); ``tmp`` is removed by rank 0.
+    """
+    hashes = {}
+    if error is None:
+        try:
+            hashes = _own_files(tmp / SHARDED_DIR, runtime.rank)
+        except OSError as exc:
+            error = error_text(exc)
+    results = all_gather_object({"error": error, "hashes": hashes}, runtime)
+    try:
+        raise_if_any(results, step, "writing the shards")
+    except DistributedError:
+        if runtime.is_rank_zero:
+            shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return {name: digest for res in results for name, digest in res["hashes"].items()}
+
+
+def shard_writer(tmp: Path) -> tuple[Any, Any]:
+    """``(storage_writer, planner)`` of a shard save into ``tmp/dcp``: torch's file-system
+    writer (one file per rank, fsynced) and its default planner, with the copies it finds on
+    several ranks written from the lowest rank (rank 0's buffers, as evaluation uses)."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
+
+    writer = dcp.FileSystemWriter(tmp / SHARDED_DIR)
+    return writer, DefaultSavePlanner(dedup_save_to_lowest_rank=True)
 
 
 def write_shards(
@@ -186,36 +237,21 @@ def write_shards(
         DistributedError: a rank failed (named); ``tmp`` is removed by rank 0.
     """
     import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 
+    prepare_folder(runtime, tmp, step)
     error = None
-    if runtime.is_rank_zero:
-        try:
-            shutil.rmtree(tmp, ignore_errors=True)
-            (tmp / SHARDED_DIR).mkdir(parents=True)
-        except OSError as exc:
-            error = _error_text(exc)
-    _raise_if_any(all_gather_object({"error": error}, runtime), step, "creating the folder")
-    hashes, error = {}, None
     try:
+        writer, planner = shard_writer(tmp)
         with runtime.watch("torch.distributed.checkpoint.save"):
             dcp.save(
-                _sharded_state(state, entries),
-                storage_writer=dcp.FileSystemWriter(tmp / SHARDED_DIR),
-                planner=DefaultSavePlanner(dedup_save_to_lowest_rank=True),
+                sharded_state(state, entries),
+                storage_writer=writer,
+                planner=planner,
                 process_group=runtime.process_group,
             )
-        hashes = _own_files(tmp / SHARDED_DIR, runtime.rank)
     except Exception as exc:  # noqa: BLE001 - every rank must learn of it
-        error = _error_text(exc)
-    results = all_gather_object({"error": error, "hashes": hashes}, runtime)
-    try:
-        _raise_if_any(results, step, "writing the shards")
-    except DistributedError:
-        if runtime.is_rank_zero:
-            shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    return {name: digest for res in results for name, digest in res["hashes"].items()}
+        error = error_text(exc)
+    return gather_hashes(runtime, tmp, step, error)
 
 
 def save_sharded(
@@ -252,8 +288,8 @@ def save_sharded(
             prune()
         except Exception as exc:  # noqa: BLE001 - every rank must learn of it
             shutil.rmtree(tmp, ignore_errors=True)
-            error = _error_text(exc)
-    _raise_if_any(all_gather_object({"error": error}, runtime), step, "rank 0's commit")
+            error = error_text(exc)
+    raise_if_any(all_gather_object({"error": error}, runtime), step, "rank 0's commit")
     return folder
 
 
