@@ -37,6 +37,10 @@ NUM_CUDA = torch.cuda.device_count() if torch.cuda.is_available() else 0
             "sync_every=2 with strategy='zero1'. Local SGD averages whole replicas",
         ),
         (
+            ["--async-checkpoint"],
+            "async_checkpoint=True with strategy='ddp'. Only sharded checkpoints",
+        ),
+        (
             ["--reshard-after-forward", "off"],
             "reshard_after_forward=False with strategy='ddp'. It configures FSDP's fully_shard",
         ),

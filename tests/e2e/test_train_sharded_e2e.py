@@ -1,6 +1,7 @@
 """``ddpkit train --strategy fsdp`` and ``--strategy zero1`` end to end: the same losses as
-``ddp``, sharded checkpoints, a killed fsdp job resumed on another number of processes, and
-``ddpkit checkpoint export`` giving the model ``model.pt`` holds.
+``ddp``, sharded checkpoints (zero1's written asynchronously, the last one committed at the
+end), a killed fsdp job resumed on another number of processes, and ``ddpkit checkpoint
+export`` giving the model ``model.pt`` holds.
 
 Digits, 2 epochs of 8 optimizer steps (whole global batches of 128), a checkpoint every 4
 steps; rank 1 SIGKILLed at step 6 in the faulty run (no restarts), which is then resumed on 4
@@ -38,7 +39,8 @@ def test_fsdp_and_zero1_train_like_ddp_and_fsdp_resumes_on_another_nproc(tmp_pat
 
     runs = {}
     for strategy in ("ddp", "zero1", "fsdp"):
-        done = _train(tmp_path, strategy, "--nproc", "2", "--strategy", strategy)
+        extra = ["--async-checkpoint"] if strategy == "zero1" else []  # committed at the end
+        done = _train(tmp_path, strategy, "--nproc", "2", "--strategy", strategy, *extra)
         assert done.returncode == 0, done.output
         assert f"gradient sync: strategy {strategy}" in done.stdout
         runs[strategy] = _losses(tmp_path / strategy)
@@ -48,7 +50,10 @@ def test_fsdp_and_zero1_train_like_ddp_and_fsdp_resumes_on_another_nproc(tmp_pat
     fsdp_ckpt = tmp_path / "fsdp" / "checkpoints" / "step-00000016"
     assert sorted(p.name for p in (fsdp_ckpt / "dcp").iterdir()) == [
         ".metadata", "__0_0.distcp", "__1_0.distcp"]  # fmt: skip
-    assert (tmp_path / "zero1" / "checkpoints" / "step-00000016" / "dcp").is_dir()
+    zero1_ckpt = tmp_path / "zero1" / "checkpoints"
+    assert sorted(p.name for p in zero1_ckpt.iterdir()) == [
+        "step-00000008", "step-00000012", "step-00000016"]  # fmt: skip
+    assert (zero1_ckpt / "step-00000016" / "dcp" / "__1_0.distcp").is_file()
     faulty = _train(tmp_path, "killed", "--nproc", "2", "--strategy", "fsdp",
                     env={"DDPKIT_FAULT_INJECT": "1:6"})  # fmt: skip
     assert faulty.returncode == 1, faulty.output

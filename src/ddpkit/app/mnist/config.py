@@ -242,6 +242,11 @@ class CheckpointConfig:
         0, "save a checkpoint to OUTPUT_DIR/checkpoints every STEPS optimizer steps "
         "(0 = never; keeps the last 3)", check=at_least(0), metavar="STEPS",
     )  # fmt: skip
+    async_checkpoint: bool = option(
+        False, "fsdp/zero1: write each checkpoint's shards in a background thread "
+        "(torch.distributed.checkpoint.async_save); the save is committed at the next one or "
+        "at the end of training, so the loop waits only for the copy to CPU memory",
+    )  # fmt: skip
     resume: str = option(
         "", "resume from the newest complete checkpoint in OUTPUT_DIR (auto) or from PATH; "
         "another --nproc keeps the checkpoint's global batch (per-rank batch and micro-steps "
@@ -417,6 +422,12 @@ def _strategy_rules(c: TrainConfig, world_size: int) -> list[str]:
 def _sharded_rules(c: TrainConfig, strategy: str) -> list[str]:
     """What the sharded strategies do not take (ddp's own options, 16-mixed, local SGD)."""
     problems = []
+    if c.async_checkpoint and strategy not in ("fsdp", "zero1"):
+        problems.append(
+            f"async_checkpoint=True with strategy={strategy!r}. Only sharded checkpoints "
+            "(fsdp, zero1) are written in the background. Use one of them, or drop "
+            "--async-checkpoint"
+        )
     if not c.reshard_after_forward and strategy != "fsdp":
         problems.append(
             f"reshard_after_forward=False with strategy={strategy!r}. It configures FSDP's "

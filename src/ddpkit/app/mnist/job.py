@@ -250,7 +250,7 @@ def build_training(
     settings = checkpoint_settings(config, source.dataset, plan)
     ckpt = CheckpointManager(
         Path(config.output_dir) / "checkpoints", runtime, state=state,
-        every_steps=config.checkpoint_every, extra=settings,
+        every_steps=config.checkpoint_every, extra=settings, async_save=config.async_checkpoint,
     )  # fmt: skip
     return MnistTraining(
         model, optimizer, inner_optimizer, comm_stats, train_loader, test_loader, precision,
@@ -342,6 +342,7 @@ def train_mnist(config: TrainConfig, runtime: Runtime, source: DataSource) -> di
         raise KeyboardInterrupt(f"after step {step} (epoch {epoch}/{config.epochs})") from None
     finally:
         monitor.close()
+    job.ckpt.wait()  # --async-checkpoint: the last save committed (a no-op otherwise)
     if test is None:  # resumed from a checkpoint taken at the very end: evaluate it
         test = evaluate(job.model, job.test_loader, runtime)
     summary = {
