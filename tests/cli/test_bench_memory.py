@@ -57,6 +57,7 @@ def test_sharded_strategies_hold_their_share_of_the_bytes(tmp_path):
     assert fsdp["comm_by_op_mib"]["reduce_scatter_single"] == pytest.approx(full_mib)
     assert fsdp["comm_by_op_mib"]["all_gather_single"] >= full_mib
     assert all(r["samples_per_s"] > 0 and r["peak_rss_mib"] > 0 for r in rows.values())
+    assert all(r["peak_rss_mib_default_malloc"] > 0 for r in rows.values())
     assert report["goals"] == [
         "zero1 x 2: optimizer state 0.500 of ddp's (goal <= 0.550): met",
         "fsdp x 2: params+grads+optimizer 0.500 of ddp's (goal <= 0.550): met",

@@ -9,7 +9,9 @@ matters to ``zero1``: ``ZeroRedundancyOptimizer`` gives each rank whole paramete
 ``--batch-size`` random samples per rank per step, through ddpkit's ``wrap_model`` and
 ``TrainStep`` (see :mod:`ddpkit.bench.sharded_worker`). Per strategy and number of processes
 it reports, for the largest rank: the bytes of its parameters, gradients and optimizer state
-(from the tensors: ``numel * element_size`` of its shards), its peak RSS, the collective
+(from the tensors: ``numel * element_size`` of its shards), its peak and final RSS (from one
+more run each, where glibc gives freed blocks of 1 MiB and more back to the system: otherwise
+RSS keeps what was ever allocated, the full model before FSDP shards it), the collective
 payload of one step, and the median samples/s over rounds with the median per-round ratio to
 ``ddp`` at the same number of processes. At 1 process every strategy is the plain module
 (``single``), run once. The goals of issue #15 are checked and printed: ``fsdp``'s parameter +
@@ -22,6 +24,7 @@ Each round runs every (strategy, processes) once in fresh processes, the order r
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 from pathlib import Path
@@ -36,8 +39,8 @@ from ddpkit.bench.report import (
     write_csv,
 )
 from ddpkit.bench.sharded_worker import STRATEGIES, MemorySettings, memory_worker
-from ddpkit.bench.steploop import default_num_threads
-from ddpkit.errors import ConfigError, DistributedError
+from ddpkit.bench.steploop import default_num_threads, run_ranks
+from ddpkit.errors import ConfigError
 
 GOAL_SLACK = 0.05  # issue #15: at most 1/N of ddp's bytes + 5 %
 MIB = 2**20
@@ -113,19 +116,11 @@ def run_one(strategy: str, nproc: int, settings: MemorySettings) -> dict:
     Raises:
         DistributedError: a rank failed, died or timed out (one line naming the run).
     """
-    from ddpkit.launch.spawn import DistributedTestError, run_distributed
-
-    try:
-        ranks = run_distributed(
-            memory_worker, nproc, args=(strategy, settings), timeout_s=settings.timeout_s,
-            pg_timeout_s=min(settings.timeout_s, 300.0), init=False,
-        )  # fmt: skip
-    except DistributedTestError as exc:
-        cause = exc.first_cause().rstrip(".")[:300]
-        raise DistributedError(
-            f"{strategy} on {nproc} process(es) failed ({exc.header}): {cause}. Rerun it alone "
-            "with --strategies and --max-nproc to see it."
-        ) from None
+    ranks = run_ranks(
+        memory_worker, nproc, args=(strategy, settings), timeout_s=settings.timeout_s,
+        pg_timeout_s=min(settings.timeout_s, 300.0), what=strategy,
+        hint="Rerun it alone with --strategies and --max-nproc to see it.",
+    )  # fmt: skip
     largest = {k: max(r[k] for r in ranks) for k in ("param_bytes", "grad_bytes",
                "optimizer_bytes", "peak_rss_mib", "rss_start_mib", "rss_end_mib")}  # fmt: skip
     comm = sum(ranks[0]["comm_bytes_per_step"].values())
@@ -137,6 +132,19 @@ def run_one(strategy: str, nproc: int, settings: MemorySettings) -> dict:
 def _runs(strategies: list[str], max_nproc: int) -> list[tuple[str, int]]:
     one = [("single", 1)]
     return one + [(s, n) for n in range(2, max_nproc + 1) for s in strategies]
+
+
+def measure_rss(runs: list[tuple[str, int]], settings: MemorySettings) -> dict:
+    """One more run of each, with freed memory given back to the system (see
+    :func:`ddpkit.bench.sharded_worker._return_freed_memory`): its peak and final RSS."""
+    held = dataclasses.replace(settings, return_freed_memory=True)
+    rss = {}
+    for strategy, nproc in runs:
+        result = run_one(strategy, nproc, held)
+        rss[(strategy, nproc)] = {k: result[k] for k in ("peak_rss_mib", "rss_end_mib")}
+        print(f"memory run: {strategy} x {nproc}: peak RSS {result['peak_rss_mib']:.0f} MiB",
+              file=sys.stderr)  # fmt: skip
+    return rss
 
 
 def measure(runs: list[tuple[str, int]], settings: MemorySettings, rounds: int) -> list[dict]:
@@ -152,9 +160,10 @@ def measure(runs: list[tuple[str, int]], settings: MemorySettings, rounds: int) 
     return per_round
 
 
-def summarize(per_round: list[dict], runs: list[tuple[str, int]]) -> list[dict]:
-    """One row per run: the last round's bytes (they do not vary), median RSS and rates, and
-    the fractions of ``ddp``'s bytes and the per-round throughput ratio to ``ddp``."""
+def summarize(per_round: list[dict], runs: list[tuple[str, int]], rss: dict) -> list[dict]:
+    """One row per run: the last round's bytes (they do not vary), the memory run's RSS
+    (``rss``), the median rates, the fractions of ``ddp``'s bytes and the per-round throughput
+    ratio to ``ddp``."""
     rows = []
     for strategy, nproc in runs:
         last = per_round[-1][(strategy, nproc)]
@@ -162,8 +171,10 @@ def summarize(per_round: list[dict], runs: list[tuple[str, int]]) -> list[dict]:
             "strategy": strategy, "nproc": nproc,
             "param_mib": last["param_bytes"] / MIB, "grad_mib": last["grad_bytes"] / MIB,
             "optimizer_mib": last["optimizer_bytes"] / MIB,
-            "peak_rss_mib": median([r[(strategy, nproc)]["peak_rss_mib"] for r in per_round]),
-            "rss_end_mib": median([r[(strategy, nproc)]["rss_end_mib"] for r in per_round]),
+            **rss[(strategy, nproc)],
+            "peak_rss_mib_default_malloc": median(
+                [r[(strategy, nproc)]["peak_rss_mib"] for r in per_round]
+            ),
             "comm_mib_per_step": last["comm_bytes_per_step"] / MIB,
             "comm_by_op_mib": {k: v / MIB for k, v in last["comm_by_op"].items()},
             "samples_per_s": median([r[(strategy, nproc)]["samples_per_s"] for r in per_round]),
@@ -207,8 +218,9 @@ def run(args: argparse.Namespace) -> int:
     if args.max_nproc > 1 and "ddp" not in strategies:
         strategies = ["ddp", *strategies]  # the reference of every ratio
     runs = _runs(strategies, args.max_nproc)
+    rss = measure_rss(runs, settings)
     per_round = measure(runs, settings, args.rounds)
-    rows = summarize(per_round, runs)
+    rows = summarize(per_round, runs, rss)
     record = {"width": settings.width, "depth": settings.depth,
               "num_parameters": settings.num_parameters, "batch_size_per_rank":
               settings.batch_size, "num_steps": settings.num_steps, "num_warmup_steps":

@@ -54,6 +54,9 @@ class MemorySettings:
         num_steps: timed optimizer steps (K); num_warmup_steps: steps before them (W).
         num_threads: torch threads per process.
         timeout_s: one run is killed (every rank) after this.
+        return_freed_memory: serve allocations of 1 MiB and more with their own ``mmap``, so
+            RSS shows what is held (see :func:`_return_freed_memory`); slower allocations, so
+            the memory runs are not the timed ones.
     """
 
     width: int = 2048
@@ -63,6 +66,7 @@ class MemorySettings:
     num_warmup_steps: int = 1
     num_threads: int = 1
     timeout_s: float = 600.0
+    return_freed_memory: bool = False
 
     @property
     def num_parameters(self) -> int:
@@ -148,6 +152,8 @@ def memory_worker(store: dist.Store, strategy: str, settings: MemorySettings) ->
 
     os.environ["OMP_NUM_THREADS"] = str(settings.num_threads)
     torch.set_num_threads(settings.num_threads)
+    if settings.return_freed_memory:
+        _return_freed_memory()
     with init_runtime("auto", store=store, stall_timeout_s=300.0) as runtime:
         rss_start_mib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
         wrapped = strategy if runtime.world_size > 1 else "single"
@@ -176,6 +182,26 @@ def memory_worker(store: dist.Store, strategy: str, settings: MemorySettings) ->
         del windows, step, optimizer, model  # freed while their process group still exists
         gc.collect()
         return result
+
+
+M_MMAP_THRESHOLD = -3  # glibc's mallopt parameter (malloc.h)
+
+
+def _return_freed_memory() -> None:
+    """Make glibc serve every allocation of 1 MiB or more with its own ``mmap`` (given back to
+    the system on ``free``), with the same fixed threshold in every run.
+
+    glibc's default threshold grows to the largest block freed (up to 32 MiB on 64-bit), after
+    which blocks of that size come from the heap and stay resident when freed; RSS then shows
+    what was ever allocated (the full model before FSDP shards it, the gathered parameters)
+    rather than what is held. Without glibc (another libc) nothing changes.
+    """
+    import ctypes
+    import ctypes.util
+
+    name = ctypes.util.find_library("c")
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL(name).mallopt(M_MMAP_THRESHOLD, 1 << 20)
 
 
 def _rss_now_mib() -> float:
