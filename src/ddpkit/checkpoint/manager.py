@@ -1,8 +1,9 @@
 """Checkpoint manager: collective save by a single writer, exact resume, fallback on corruption.
 
 What a checkpoint holds: the ``state_dict()`` of every object the manager was given (models
-unwrapped, with no ``module.``/``_orig_mod.`` prefix; a ``ZeroRedundancyOptimizer``
-consolidated first; the LR scheduler, grad scaler, an EMA, the sharded loader's position inside
+unwrapped, with no ``module.``/``_orig_mod.`` prefix; an ``fsdp`` model, its optimizer and a
+``ZeroRedundancyOptimizer`` as every rank's shards, see :mod:`ddpkit.checkpoint.sharded`; the
+LR scheduler, grad scaler, an EMA, the sharded loader's position inside
 the epoch, ...), the step, every rank's RNG states (torch, CUDA, numpy, python) and the world
 size.
 Resuming puts all of them back, so a run stopped at step k and resumed ends bitwise equal to an
@@ -147,7 +148,8 @@ class CheckpointManager:
             ``GradScaler``, :class:`~ddpkit.ShardedLoader`, an EMA, your own). ``None`` values
             are left out (``"scaler": precision.scaler`` without fp16). An ``nn.Module`` is
             saved unwrapped (no ``module.``/``_orig_mod.`` prefix) and its parameters must
-            agree across ranks; a ``ZeroRedundancyOptimizer`` is consolidated on rank 0 first.
+            agree across ranks (an ``fsdp`` model: its buffers); sharded state (``fsdp``,
+            ``ZeroRedundancyOptimizer``) is saved by every rank, its own shard.
             The names key the checkpoint: resume with the same names.
         keep_last: complete checkpoints to keep (older ones are deleted by rank 0), >= 1.
         every_steps: :meth:`maybe_save` saves when ``step % every_steps == 0`` (0 = never).
@@ -210,13 +212,17 @@ class CheckpointManager:
     def save(self, step: int) -> Path:
         """Write checkpoint ``step`` of the managed state; returns its folder once complete.
 
-        Collective: call on every rank at the same step. A ``ZeroRedundancyOptimizer`` is
-        consolidated on rank 0 first. One all-gather brings every rank's RNG state and the
-        checksums of its replicated state to every rank (see
+        Collective: call on every rank at the same step. One all-gather brings every rank's RNG
+        state and the checksums of its replicated state to every rank (see
         :mod:`ddpkit.checkpoint.consistency`); rank 0 alone writes (atomically: a failure at
         any point leaves no folder behind), then one all-reduce tells every rank whether it
         succeeded, so all return once the checkpoint is complete or all raise. At world size 1
-        it writes without any collective.
+        it writes without any collective. Sharded state (an ``fsdp`` model and its optimizer, a
+        ``ZeroRedundancyOptimizer``) is written by every rank, its own shard, through
+        ``torch.distributed.checkpoint`` into the same folder, committed by rank 0 once every
+        rank succeeded (see :mod:`ddpkit.checkpoint.sharded`). With ``async_save`` the shards
+        are written in the background and the folder returned appears at the next save, resume
+        or :meth:`wait` (see :mod:`ddpkit.checkpoint.async_save`).
 
         Args:
             step: the optimizer step; names the folder ``step-XXXXXXXX``.
@@ -227,7 +233,8 @@ class CheckpointManager:
                 written). Other replicated state that differs is saved from rank 0 with a
                 warning naming it and the ranks, and listed in the manifest.
             DistributedError: rank 0 failed to write (raised on the other ranks; rank 0
-                raises its own error).
+                raises its own error); a sharded save failed on some rank (every rank raises,
+                naming it).
 
         Example:
             >>> ckpt.save(step)  # doctest: +SKIP
@@ -370,8 +377,9 @@ class CheckpointManager:
         loaded into (never every rank onto cuda:0). Checkpoints newer than the one resumed (an
         abandoned future, e.g. when ``path`` names an older one) are deleted, so later saves and
         ``resume`` calls never mix two histories. Only resume checkpoints you trust: the state
-        is unpickled. A ``ZeroRedundancyOptimizer`` takes its own shard of the consolidated
-        state (on any number of ranks).
+        is unpickled. Sharded state is resharded for this world size by
+        ``torch.distributed.checkpoint``; a ``ZeroRedundancyOptimizer`` of an older checkpoint
+        takes its own shard of the consolidated state (on any number of ranks).
 
         Another world size resumes too: replicated state loads as it is, a
         :class:`~ddpkit.ShardedLoader` re-shards the rest of its epoch over the new ranks (each
