@@ -19,7 +19,9 @@ from tests.helpers import run_cli
 
 COMMON = ["-m", "ddpkit", "train", "--dataset", "digits", "--epochs", "2", "--max-steps", "8",
           "--checkpoint-every", "4", "--log-every", "1"]  # fmt: skip
-LOSS_RTOL = 1e-5  # another strategy: another float reduction order (measured: docs/performance.md)
+# another strategy or world size: another float reduction order; pytest -s prints the largest
+# relative difference (docs/checkpoints.md gives the figures measured)
+LOSS_RTOL = 1e-5
 
 
 def _losses(out) -> dict[int, float]:
@@ -45,8 +47,9 @@ def test_fsdp_and_zero1_train_like_ddp_and_fsdp_resumes_on_another_nproc(tmp_pat
         assert f"gradient sync: strategy {strategy}" in done.stdout
         runs[strategy] = _losses(tmp_path / strategy)
     for strategy in ("zero1", "fsdp"):
-        for step, loss in runs["ddp"].items():
-            assert runs[strategy][step] == pytest.approx(loss, rel=LOSS_RTOL), (strategy, step)
+        rel = max(abs(runs[strategy][s] - v) / abs(v) for s, v in runs["ddp"].items())
+        print(f"{strategy} vs ddp: largest relative loss difference {rel:.3g}")
+        assert rel <= LOSS_RTOL, strategy
     fsdp_ckpt = tmp_path / "fsdp" / "checkpoints" / "step-00000016"
     assert sorted(p.name for p in (fsdp_ckpt / "dcp").iterdir()) == [
         ".metadata", "__0_0.distcp", "__1_0.distcp"]  # fmt: skip
@@ -64,8 +67,9 @@ def test_fsdp_and_zero1_train_like_ddp_and_fsdp_resumes_on_another_nproc(tmp_pat
     )
     losses = _losses(tmp_path / "killed")
     assert sorted(losses) == list(range(1, 17))
-    for step in range(5, 17):
-        assert losses[step] == pytest.approx(runs["fsdp"][step], rel=LOSS_RTOL), step
+    rel = max(abs(losses[s] - runs["fsdp"][s]) / abs(runs["fsdp"][s]) for s in range(5, 17))
+    print(f"fsdp 2 -> 4 processes: largest relative loss difference {rel:.3g}")
+    assert rel <= LOSS_RTOL
     summary = json.loads((tmp_path / "killed" / "summary.json").read_text())
     assert summary["final_step"] == 16 and summary["world_size"] == 4
     # model.pt (gathered to rank 0) is what `ddpkit checkpoint export` makes of the last one
