@@ -52,6 +52,7 @@ from ddpkit.parallel.comm import CommStats
 from ddpkit.parallel.local_sgd import enable_local_sgd
 from ddpkit.parallel.syncbn import convert_sync_batchnorm
 from ddpkit.parallel.wrap import model_state_dict, unwrap_model, wrap_model
+from ddpkit.parallel.zero import build_zero_optimizer
 from ddpkit.training.accumulation import GradientAccumulator
 from ddpkit.training.dynamic import UnusedParameterDiagnosis, UnusedParameterError
 from ddpkit.training.evaluate import evaluate
@@ -97,6 +98,7 @@ __all__ = [
     "barrier",
     "build_eval_loader",
     "build_train_loader",
+    "build_zero_optimizer",
     "check_replicas",
     "configure_logging",
     "convert_sync_batchnorm",

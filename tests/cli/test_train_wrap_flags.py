@@ -19,7 +19,31 @@ NUM_CUDA = torch.cuda.device_count() if torch.cuda.is_available() else 0
     "extra,expected",
     [
         (["--grad-compression", "int8"], "argument --grad-compression: invalid choice: 'int8'"),
-        (["--strategy", "fsdp"], "argument --strategy: invalid choice: 'fsdp'"),
+        (["--strategy", "hsdp"], "argument --strategy: invalid choice: 'hsdp'"),
+        (
+            ["--strategy", "fsdp", "--grad-compression", "fp16", "--join"],
+            "grad_compression='fp16', join=True with strategy='fsdp'. These configure DDP's",
+        ),
+        (
+            ["--strategy", "fsdp", "--precision", "16-mixed"],
+            "precision='16-mixed' with strategy='fsdp'",
+        ),
+        (
+            ["--strategy", "fsdp", "--nproc", "1"],
+            "strategy='fsdp' with world_size=1. It needs 2 or more processes",
+        ),
+        (
+            ["--strategy", "zero1", "--sync-every", "2"],
+            "sync_every=2 with strategy='zero1'. Local SGD averages whole replicas",
+        ),
+        (
+            ["--async-checkpoint"],
+            "async_checkpoint=True with strategy='ddp'. Only sharded checkpoints",
+        ),
+        (
+            ["--reshard-after-forward", "off"],
+            "reshard_after_forward=False with strategy='ddp'. It configures FSDP's fully_shard",
+        ),
         (["--bucket-cap-mb", "0"], "bucket_cap_mb=0.0 must be a finite number > 0"),
         (["--powersgd-start-step", "1"], "powersgd_start_step=1 must be >= 2"),
         (["--sync-every", "0"], "sync_every=0 must be >= 1"),
@@ -78,7 +102,8 @@ def test_help_lists_the_flags_with_units(capsys):
         main(["train", "--help"])
     text = " ".join(capsys.readouterr().out.split())
     for snippet in (
-        "--strategy {auto,single,ddp,dp}",
+        "--strategy {auto,single,ddp,dp,zero1,fsdp}",
+        "--reshard-after-forward {on,off}",
         "--bucket-cap-mb MIB DDP gradient bucket size in MiB",
         "--grad-as-bucket-view",
         "--grad-compression {none,fp16,bf16,powersgd}",

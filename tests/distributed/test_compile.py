@@ -295,3 +295,41 @@ def _local_sgd_under_compile(rt):
 
 def test_local_sgd_under_compile_is_not_mistaken_for_unsynced_gradients():
     assert run_distributed(_local_sgd_under_compile, 2, timeout_s=240) == [0, 0]
+
+
+class _Blocks(nn.Module):
+    """Two blocks in a ModuleList (fsdp's default policy shards each) and a head."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList([nn.Linear(8, 16), nn.Linear(16, 16)])
+        self.head = nn.Linear(16, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = torch.relu(block(x))
+        return self.head(x)
+
+
+def _fsdp_run(rt, compile_):
+    torch.manual_seed(0)
+    model = ddpkit.wrap_model(_Blocks(), rt, strategy="fsdp", compile=compile_)
+    compiled = [type(b).__name__ for b in model.blocks if b._compiled_call_impl is not None]
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    g = torch.Generator().manual_seed(rt.rank)
+    for _ in range(3):
+        x, y = torch.randn(8, 8, generator=g), torch.randint(0, 4, (8,), generator=g)
+        optimizer.zero_grad()
+        F.cross_entropy(model(x), y).backward()
+        optimizer.step()
+    state = ddpkit.model_state_dict(model)  # collective: the full state on rank 0
+    return compiled, {k: v.clone() for k, v in state.items()}
+
+
+def test_fsdp_blocks_compiled_in_place_train_like_eager():
+    eager = run_distributed(_fsdp_run, 2, args=(False,), timeout_s=200)
+    compiled = run_distributed(_fsdp_run, 2, args=({"backend": "aot_eager"},), timeout_s=200)
+    assert eager[0][0] == [] and compiled[0][0] == compiled[1][0] == ["FSDPLinear"] * 2
+    assert sorted(compiled[0][1]) == sorted(eager[0][1])  # no _orig_mod. in the keys
+    for key, value in eager[0][1].items():  # measured: bitwise (aot_eager, 2 ranks)
+        assert torch.equal(compiled[0][1][key], value), key

@@ -120,23 +120,11 @@ def run_form(form: str, nproc: int, settings: StepLoopSettings) -> dict:
     Raises:
         DistributedError: a rank failed, died or timed out; one line naming the form.
     """
-    from ddpkit.launch.spawn import DistributedTestError, run_distributed
-
-    try:
-        results = run_distributed(
-            form_worker,
-            nproc,
-            args=(form, settings),
-            timeout_s=settings.timeout_s,
-            pg_timeout_s=min(settings.timeout_s, 120.0),
-            init=False,
-        )
-    except DistributedTestError as exc:
-        cause = exc.first_cause().rstrip(".")[:300]
-        raise DistributedError(
-            f"form {form} failed on {nproc} process(es) ({exc.header}): {cause}. Rerun that form "
-            "alone to see it (ddpkit bench overhead --forms ...)."
-        ) from None
+    results = run_ranks(
+        form_worker, nproc, args=(form, settings), timeout_s=settings.timeout_s,
+        pg_timeout_s=min(settings.timeout_s, 120.0), what=f"form {form}",
+        hint="Rerun that form alone to see it (ddpkit bench overhead --forms ...).",
+    )  # fmt: skip
     seconds = [result["seconds"] for result in results]
     samples = nproc * settings.batch_size * settings.num_steps
     return {
@@ -144,6 +132,35 @@ def run_form(form: str, nproc: int, settings: StepLoopSettings) -> dict:
         "seconds": seconds,
         "param_checksums": [result["param_checksum"] for result in results],
     }
+
+
+def run_ranks(
+    worker: Callable[..., Any],
+    nproc: int,
+    *,
+    args: tuple,
+    timeout_s: float,
+    pg_timeout_s: float,
+    what: str,
+    hint: str,
+) -> list[Any]:
+    """``worker(store, *args)`` on ``nproc`` fresh processes; each rank's result.
+
+    Raises:
+        DistributedError: a rank failed, died or timed out: ``<what> failed on N process(es)
+            (...): <first cause>. <hint>`` (one line).
+    """
+    from ddpkit.launch.spawn import DistributedTestError, run_distributed
+
+    try:
+        return run_distributed(
+            worker, nproc, args=args, timeout_s=timeout_s, pg_timeout_s=pg_timeout_s, init=False
+        )
+    except DistributedTestError as exc:
+        cause = exc.first_cause().rstrip(".")[:300]
+        raise DistributedError(
+            f"{what} failed on {nproc} process(es) ({exc.header}): {cause}. {hint}"
+        ) from None
 
 
 # ---- inside each rank ------------------------------------------------------------------------

@@ -8,11 +8,13 @@ strings) of:
 
 - ``<name> parameters`` of every ``nn.Module`` in the manager's state (the model, an
   ``AveragedModel``): DDP keeps them bitwise identical; a difference is a bug, and the save is
-  refused on every rank (:class:`ReplicaDivergenceError`) before anything is written;
+  refused on every rank (:class:`ReplicaDivergenceError`) before anything is written. Not for
+  an FSDP model, whose parameters are shards (its buffers are compared);
 - ``<name> buffers`` that DDP does not overwrite with rank 0's at the next forward (only with
   ``broadcast_buffers=False``; synced ones differ between forwards by design);
 - every other entry, ``state['<name>']`` (optimizer, scheduler, scaler, an EMA, ...), except a
-  ``ZeroRedundancyOptimizer`` (its state is sharded) and keys named like a synced buffer
+  ``ZeroRedundancyOptimizer`` or an optimizer over FSDP's shards (their state is sharded) and
+  keys named like a synced buffer
   (``AveragedModel`` copies or averages them: they differ too).
 
 A difference in these is reported in one warning naming the state, its keys and the ranks, and
@@ -33,6 +35,7 @@ import torch
 from ddpkit.checkpoint.objects import is_zero_optimizer
 from ddpkit.distributed.sampler import ShardedLoader
 from ddpkit.guards.replicas import ReplicaDivergenceError, synced_buffers, tensor_digests
+from ddpkit.parallel.fsdp import is_fsdp, is_sharded_tensor
 from ddpkit.parallel.wrap import unwrap_model
 
 PARAMETERS_OF = "parameters"  # section "<name> parameters" of each nn.Module in the state
@@ -86,7 +89,8 @@ def replicated_digests(state: Mapping[str, Any]) -> Digests:
     for name, module in modules.items():
         inner, skipped = unwrap_model(module), synced_buffers(module)
         synced |= {n for n, b in inner.named_buffers() if id(b) in skipped}
-        digests[f"{name} {PARAMETERS_OF}"] = digest_tree(dict(inner.named_parameters()))
+        if not is_fsdp(inner):  # FSDP parameters are shards: different on every rank
+            digests[f"{name} {PARAMETERS_OF}"] = digest_tree(dict(inner.named_parameters()))
         digests[f"{name} {BUFFERS_OF}"] = digest_tree(
             {n: b for n, b in inner.named_buffers() if id(b) not in skipped}
         )
@@ -108,7 +112,12 @@ def section_name(name: str) -> str:
 
 
 def _per_rank(obj: Any) -> bool:
-    """State that is not replicated: a ZeRO optimizer's shard, the loader's position."""
+    """State that is not replicated: a ZeRO optimizer's shard, an optimizer over FSDP's
+    sharded parameters, the loader's position."""
+    if isinstance(obj, torch.optim.Optimizer) and any(
+        is_sharded_tensor(p) for group in obj.param_groups for p in group["params"]
+    ):
+        return True
     return is_zero_optimizer(obj) or isinstance(obj, ShardedLoader)
 
 

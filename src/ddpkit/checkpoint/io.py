@@ -46,6 +46,12 @@ def checkpoint_dir_name(step: int) -> str:
     return f"step-{step:08d}"
 
 
+def temporary_dir(directory: Path, step: int, pid: int | None = None) -> Path:
+    """Where checkpoint ``step`` is written before its rename: ``.tmp-step-XXXXXXXX-<pid>``
+    (``pid``: the writer's, or for a sharded checkpoint rank 0's, which every rank shares)."""
+    return directory / f".tmp-{checkpoint_dir_name(step)}-{os.getpid() if pid is None else pid}"
+
+
 def write_checkpoint(directory: Path, step: int, state: dict[str, Any], meta: dict) -> Path:
     """Write ``state`` as checkpoint ``step`` under ``directory`` atomically; returns its folder.
 
@@ -55,12 +61,31 @@ def write_checkpoint(directory: Path, step: int, state: dict[str, Any], meta: di
     the error propagates: nothing half-written stays behind.
     """
     directory.mkdir(parents=True, exist_ok=True)
-    final = directory / checkpoint_dir_name(step)
-    tmp = directory / f".tmp-{final.name}-{os.getpid()}"
+    tmp = temporary_dir(directory, step)
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir()
+    return commit_checkpoint(tmp, directory, step, state, meta)
+
+
+def commit_checkpoint(
+    tmp: Path,
+    directory: Path,
+    step: int,
+    state: dict[str, Any] | None,
+    meta: dict,
+    files: dict[str, str] | None = None,
+) -> Path:
+    """Add ``state.pt`` and the manifest to the temporary folder ``tmp``, then rename it to
+    ``step-XXXXXXXX`` in one ``rename``; returns the final folder. Not a collective.
+
+    ``files``: SHA-256 of files already in ``tmp`` (a sharded checkpoint's DCP shards, by path
+    relative to ``tmp``), listed in the manifest beside ``state.pt``'s. ``state=None``: ``state.pt``
+    is in ``tmp`` already (:func:`write_state_file`). On any error ``tmp`` is removed before the
+    error propagates.
+    """
+    final = directory / checkpoint_dir_name(step)
     try:
-        _write_files(tmp, step, state, meta)
+        _write_files(tmp, step, state, meta, files or {})
     except BaseException:  # a state that cannot be pickled, a full disk, an interrupt
         shutil.rmtree(tmp, ignore_errors=True)
         raise
@@ -71,17 +96,27 @@ def write_checkpoint(directory: Path, step: int, state: dict[str, Any], meta: di
     return final
 
 
-def _write_files(tmp: Path, step: int, state: dict[str, Any], meta: dict) -> None:
+def write_state_file(tmp: Path, state: dict[str, Any]) -> None:
+    """``tmp/state.pt`` written and fsynced (an asynchronous save writes it first)."""
     torch.save(state, tmp / STATE_FILE)
     _fsync(tmp / STATE_FILE)
+
+
+def _write_files(
+    tmp: Path, step: int, state: dict[str, Any] | None, meta: dict, files: dict
+) -> None:
+    if state is not None:
+        write_state_file(tmp, state)
     manifest = {
         "format": FORMAT_VERSION,
         "step": step,
-        "files": {STATE_FILE: sha256_file(tmp / STATE_FILE)},
+        "files": {**files, STATE_FILE: sha256_file(tmp / STATE_FILE)},
         **meta,
     }
     (tmp / MANIFEST).write_text(json.dumps(manifest, indent=2))
     _fsync(tmp / MANIFEST)
+    for sub in {Path(name).parent for name in files} - {Path(".")}:
+        _fsync(tmp / sub)
     _fsync(tmp)
 
 
@@ -103,23 +138,38 @@ def read_manifest(folder: Path) -> dict:
 def load_checkpoint(folder: Path) -> dict[str, Any]:
     """Read ``folder/state.pt`` once, check it against the manifest, and unpickle it on CPU.
 
+    Every other file the manifest lists (the DCP shards of a sharded checkpoint) is checked
+    against its SHA-256 first. Not a collective: each rank reads and checks every file.
+
     Raises:
         DataError: no manifest (incomplete), a missing file, or a SHA-256 that differs (names
             the file and both hashes).
     """
-    expected = read_manifest(folder).get("files", {}).get(STATE_FILE)
-    path = folder / STATE_FILE
+    files = read_manifest(folder).get("files", {})
+    for name in sorted(files):  # a sharded checkpoint's DCP shards too
+        if name != STATE_FILE:
+            _verify(folder / name, files[name], sha256_file)
+    data = _verify(folder / STATE_FILE, files.get(STATE_FILE), lambda p: p.read_bytes())
+    return torch.load(io.BytesIO(data), map_location="cpu", weights_only=False)
+
+
+def _verify(path: Path, expected: str | None, read: Any) -> Any:
+    """``read(path)`` once its SHA-256 is ``expected``; returns what ``read`` gave.
+
+    Raises:
+        DataError: the file cannot be read, or its SHA-256 differs (names both hashes).
+    """
     try:
-        data = path.read_bytes()
+        data = read(path)
     except OSError as exc:
         raise DataError(f"corrupt checkpoint: cannot read {path} ({exc}).") from None
-    actual = hashlib.sha256(data).hexdigest()
+    actual = data if isinstance(data, str) else hashlib.sha256(data).hexdigest()
     if actual != expected:
         raise DataError(
             f"corrupt checkpoint: path={path}, sha256={actual}, expected sha256={expected} "
             "(truncated or altered after it was written)."
         )
-    return torch.load(io.BytesIO(data), map_location="cpu", weights_only=False)
+    return data
 
 
 def list_checkpoints(directory: Path) -> list[Path]:

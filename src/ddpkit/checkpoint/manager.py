@@ -1,8 +1,9 @@
 """Checkpoint manager: collective save by a single writer, exact resume, fallback on corruption.
 
 What a checkpoint holds: the ``state_dict()`` of every object the manager was given (models
-unwrapped, with no ``module.``/``_orig_mod.`` prefix; a ``ZeroRedundancyOptimizer``
-consolidated first; the LR scheduler, grad scaler, an EMA, the sharded loader's position inside
+unwrapped, with no ``module.``/``_orig_mod.`` prefix; an ``fsdp`` model, its optimizer and a
+``ZeroRedundancyOptimizer`` as every rank's shards, see :mod:`ddpkit.checkpoint.sharded`; the
+LR scheduler, grad scaler, an EMA, the sharded loader's position inside
 the epoch, ...), the step, every rank's RNG states (torch, CUDA, numpy, python) and the world
 size.
 Resuming puts all of them back, so a run stopped at step k and resumed ends bitwise equal to an
@@ -33,6 +34,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from ddpkit.checkpoint.async_save import AsyncShardedSaves
 from ddpkit.checkpoint.consistency import (
     BUFFERS_OF,
     describe,
@@ -55,9 +57,9 @@ from ddpkit.checkpoint.objects import (
     check_saved_state,
     check_state,
     is_local_sgd_optimizer,
-    is_zero_optimizer,
 )
 from ddpkit.checkpoint.rng import restore_rng_state
+from ddpkit.checkpoint.sharded import check_layouts, load_sharded, save_sharded, sharded_entries
 from ddpkit.checkpoint.state import load_model_state, rng_state
 from ddpkit.distributed.collectives import all_gather_object, all_reduce_sum, barrier
 from ddpkit.distributed.loader import ShardedLoader
@@ -146,13 +148,18 @@ class CheckpointManager:
             ``GradScaler``, :class:`~ddpkit.ShardedLoader`, an EMA, your own). ``None`` values
             are left out (``"scaler": precision.scaler`` without fp16). An ``nn.Module`` is
             saved unwrapped (no ``module.``/``_orig_mod.`` prefix) and its parameters must
-            agree across ranks; a ``ZeroRedundancyOptimizer`` is consolidated on rank 0 first.
+            agree across ranks (an ``fsdp`` model: its buffers); sharded state (``fsdp``,
+            ``ZeroRedundancyOptimizer``) is saved by every rank, its own shard.
             The names key the checkpoint: resume with the same names.
         keep_last: complete checkpoints to keep (older ones are deleted by rank 0), >= 1.
         every_steps: :meth:`maybe_save` saves when ``step % every_steps == 0`` (0 = never).
         every_epochs: :meth:`maybe_save_epoch` saves after every this many epochs (0 = never).
         extra: JSON settings written to the manifest (batch size, lr, ...); :meth:`resume`
             refuses a checkpoint whose settings differ (see :func:`check_compatible`).
+        async_save: write sharded state (``fsdp``, ``zero1``) in a background thread
+            (torch's ``dcp.async_save``), committed at the next save, resume or :meth:`wait`
+            (see :mod:`ddpkit.checkpoint.async_save`). Off by default; replicated-only state is
+            always written synchronously.
 
     Raises:
         ConfigError: ``keep_last < 1``, or a negative ``every_steps``/``every_epochs``.
@@ -175,6 +182,7 @@ class CheckpointManager:
         every_steps: int = 0,
         every_epochs: int = 0,
         extra: Mapping[str, Any] | None = None,
+        async_save: bool = False,
     ) -> None:
         if keep_last < 1 or every_steps < 0 or every_epochs < 0:
             raise ConfigError(
@@ -189,6 +197,8 @@ class CheckpointManager:
         self.keep_last = keep_last
         self.every_steps = every_steps
         self.every_epochs = every_epochs
+        self.async_save = async_save
+        self._async: AsyncShardedSaves | None = None
 
     def _managed(self, action: str) -> dict[str, Any]:
         if not self.state:
@@ -202,13 +212,17 @@ class CheckpointManager:
     def save(self, step: int) -> Path:
         """Write checkpoint ``step`` of the managed state; returns its folder once complete.
 
-        Collective: call on every rank at the same step. A ``ZeroRedundancyOptimizer`` is
-        consolidated on rank 0 first. One all-gather brings every rank's RNG state and the
-        checksums of its replicated state to every rank (see
+        Collective: call on every rank at the same step. One all-gather brings every rank's RNG
+        state and the checksums of its replicated state to every rank (see
         :mod:`ddpkit.checkpoint.consistency`); rank 0 alone writes (atomically: a failure at
         any point leaves no folder behind), then one all-reduce tells every rank whether it
         succeeded, so all return once the checkpoint is complete or all raise. At world size 1
-        it writes without any collective.
+        it writes without any collective. Sharded state (an ``fsdp`` model and its optimizer, a
+        ``ZeroRedundancyOptimizer``) is written by every rank, its own shard, through
+        ``torch.distributed.checkpoint`` into the same folder, committed by rank 0 once every
+        rank succeeded (see :mod:`ddpkit.checkpoint.sharded`). With ``async_save`` the shards
+        are written in the background and the folder returned appears at the next save, resume
+        or :meth:`wait` (see :mod:`ddpkit.checkpoint.async_save`).
 
         Args:
             step: the optimizer step; names the folder ``step-XXXXXXXX``.
@@ -219,42 +233,70 @@ class CheckpointManager:
                 written). Other replicated state that differs is saved from rank 0 with a
                 warning naming it and the ranks, and listed in the manifest.
             DistributedError: rank 0 failed to write (raised on the other ranks; rank 0
-                raises its own error).
+                raises its own error); a sharded save failed on some rank (every rank raises,
+                naming it).
 
         Example:
             >>> ckpt.save(step)  # doctest: +SKIP
         """
         managed = self._managed("save")
-        for obj in managed.values():
-            if is_zero_optimizer(obj) and self.runtime.process_group is not None:
-                with self.runtime.watch("ZeroRedundancyOptimizer.consolidate_state_dict"):
-                    obj.consolidate_state_dict(to=0)
+        sharded = sharded_entries(managed, self.runtime)  # through DCP: every rank its shard
         digests = replicated_digests(managed) if self.runtime.process_group is not None else {}
         gathered = all_gather_object({"rng": rng_state(), "digests": digests}, self.runtime)
         found = differences([g["digests"] for g in gathered])
         raise_if_parameters_differ(found, step)
         folder, error = self.directory / checkpoint_dir_name(step), None
+
+        def replicated() -> dict[str, Any]:  # on rank 0: what it alone writes, in state.pt
+            if found:
+                log.warning(describe(found, folder.name, _notes(managed)))
+            return {
+                "state": {n: _module_or_state(o) for n, o in managed.items() if n not in sharded},
+                "rng_per_rank": [g["rng"] for g in gathered],
+            }
+
+        if sharded and self.async_save:
+            self._async = self._async or AsyncShardedSaves(self.runtime)
+            return self._async.start(
+                self.directory, managed, sharded, step,
+                replicated=replicated, meta=self._meta(found), prune=self._prune,
+            )  # fmt: skip
+        if sharded:
+            return save_sharded(
+                self.runtime, self.directory, managed, sharded, step,
+                replicated=replicated, meta=self._meta(found), prune=self._prune,
+            )  # fmt: skip
         if self.runtime.is_rank_zero:
             try:
-                if found:
-                    log.warning(describe(found, folder.name, _notes(managed)))
-                state = {
-                    "state": {name: _module_or_state(obj) for name, obj in managed.items()},
-                    "rng_per_rank": [g["rng"] for g in gathered],
-                }
-                folder = self._write(step, state, found)
+                folder = self._write(step, replicated(), found)
             except Exception as exc:  # noqa: BLE001 - every rank must learn of it
                 error = exc
         self._agree_written(step, error)
         return folder
 
+    def wait(self) -> Path | None:
+        """Commit the asynchronous save still in flight (``async_save=True``); returns its
+        folder, ``None`` when there is none. Call it on every rank before the job ends: a save
+        not waited for stays a ``.tmp-`` folder, and a resume uses the previous checkpoint.
+
+        Collective: call on every rank (a no-op everywhere when nothing is in flight).
+
+        Raises:
+            DistributedError: a rank failed to write its shard (nothing is committed).
+        """
+        return self._async.finish() if self._async is not None else None
+
+    def _meta(self, found: dict) -> dict[str, Any]:
+        """What the manifest records besides the files: world size, settings, differences."""
+        meta: dict[str, Any] = {"world_size": self.runtime.world_size, "extra": self.extra}
+        if found:
+            meta["differs_across_ranks"] = {s: list(ranks) for s, ranks in found.items()}
+        return meta
+
     def _write(self, step: int, state: dict, found: dict) -> Path:
         """Rank 0: write the folder atomically, then prune older ones."""
         state.update(step=step, world_size=self.runtime.world_size, extra=self.extra)
-        meta = {"world_size": self.runtime.world_size, "extra": self.extra}
-        if found:
-            meta["differs_across_ranks"] = {s: list(ranks) for s, ranks in found.items()}
-        folder = write_checkpoint(self.directory, step, state, meta)
+        folder = write_checkpoint(self.directory, step, state, self._meta(found))
         self._prune()
         return folder
 
@@ -335,8 +377,9 @@ class CheckpointManager:
         loaded into (never every rank onto cuda:0). Checkpoints newer than the one resumed (an
         abandoned future, e.g. when ``path`` names an older one) are deleted, so later saves and
         ``resume`` calls never mix two histories. Only resume checkpoints you trust: the state
-        is unpickled. A ``ZeroRedundancyOptimizer`` takes its own shard of the consolidated
-        state (on any number of ranks).
+        is unpickled. Sharded state is resharded for this world size by
+        ``torch.distributed.checkpoint``; a ``ZeroRedundancyOptimizer`` of an older checkpoint
+        takes its own shard of the consolidated state (on any number of ranks).
 
         Another world size resumes too: replicated state loads as it is, a
         :class:`~ddpkit.ShardedLoader` re-shards the rest of its epoch over the new ranks (each
@@ -363,6 +406,7 @@ class CheckpointManager:
             >>> step = ckpt.resume()  # doctest: +SKIP
         """
         self._managed("resume")
+        self.wait()  # an asynchronous save in flight is committed first
         if path is not None:
             found: tuple[Path, dict[str, Any]] | None = (Path(path), load_checkpoint(Path(path)))
         else:
@@ -398,19 +442,23 @@ class CheckpointManager:
         """
         managed = self.state
         saved = _saved_state(folder, state)
-        check_saved_state(folder, saved, managed)
+        sharded = state.get("sharded", {})  # restored through DCP, resharded
+        check_saved_state(folder, {**dict.fromkeys(sharded), **saved}, managed)
+        check_layouts(folder, managed, sharded, set(saved))
         rng_per_rank = state["rng_per_rank"]
         saved_world_size = saved_world_size or len(rng_per_rank)
         world_size = self.runtime.world_size
         loaders = [n for n, obj in managed.items() if isinstance(obj, ShardedLoader)]
-        modules = [n for n, obj in managed.items() if isinstance(obj, torch.nn.Module)]
-        for name in loaders + modules + [n for n in managed if n not in loaders + modules]:
-            if name in loaders:  # an old state has no world size: it is the manifest's
-                managed[name].load_state_dict({"world_size": saved_world_size, **saved[name]})
-            elif name in modules:
-                load_model_state(managed[name], saved[name])
-            else:
-                managed[name].load_state_dict(saved[name])
+        modules = [n for n, o in managed.items() if isinstance(o, torch.nn.Module) and n in saved]
+        rest = [n for n in managed if n not in loaders + modules and n in saved]
+        for name in loaders:  # an old state has no world size: it is the manifest's
+            managed[name].load_state_dict({"world_size": saved_world_size, **saved[name]})
+        for name in modules:
+            load_model_state(managed[name], saved[name])
+        if sharded:  # the sharded model and optimizers, resharded (one collective)
+            load_sharded(self.runtime, folder, managed, sharded)
+        for name in rest:
+            managed[name].load_state_dict(saved[name])
         rng = restore_rng_state(rng_per_rank, self.runtime.rank, world_size, step=state["step"])
         if saved_world_size == world_size:
             return ""

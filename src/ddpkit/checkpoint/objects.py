@@ -19,6 +19,16 @@ from typing import Any
 
 from ddpkit.errors import DataError
 from ddpkit.log import get_logger
+from ddpkit.parallel.zero import is_zero_optimizer
+
+__all__ = [
+    "LOCAL_SGD_NOTE",
+    "check_extra",
+    "check_saved_state",
+    "check_state",
+    "is_local_sgd_optimizer",
+    "is_zero_optimizer",
+]
 
 log = get_logger("checkpoint")
 
@@ -90,17 +100,6 @@ def check_saved_state(folder: Path, saved: Mapping[str, Any], state: Mapping[str
             "checkpoint %s holds state not restored: %s. Add them to CheckpointManager(state=...) "
             "to restore them.", folder.name, ", ".join(f"state[{n!r}]" for n in left),
         )  # fmt: skip
-
-
-def is_zero_optimizer(optimizer: Any) -> bool:
-    """True for a ``torch.distributed.optim.ZeroRedundancyOptimizer`` (sharded state).
-
-    Looked up only when its module is already imported (an instance implies it is): importing
-    ``torch.distributed.optim`` costs seconds, which every other user would pay.
-    """
-    module = sys.modules.get("torch.distributed.optim.zero_redundancy_optimizer")
-    zero = getattr(module, "ZeroRedundancyOptimizer", None)
-    return zero is not None and isinstance(optimizer, zero)
 
 
 LOCAL_SGD_NOTE = (

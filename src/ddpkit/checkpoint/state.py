@@ -10,8 +10,9 @@ import numpy as np
 import torch
 from torch.nn.modules.utils import consume_prefix_in_state_dict_if_present
 
-from ddpkit.errors import DataError
+from ddpkit.errors import ConfigError, DataError
 from ddpkit.log import get_logger
+from ddpkit.parallel.fsdp import is_fsdp
 from ddpkit.parallel.wrap import unwrap_model
 
 # what DDP/DataParallel (``module.``) and torch.compile (``_orig_mod.``) put before every key
@@ -95,6 +96,7 @@ def load_model_state(
     Raises:
         RuntimeError: ``strict=True`` and the keys differ (torch's error, listing them).
         DataError: a non-strict load that matches no key at all (it would load nothing).
+        ConfigError: ``model`` is an ``fsdp`` model (load before wrapping it).
 
     Example:
         >>> result = load_model_state(model, torch.load("backbone.pt"), strict=False)
@@ -102,6 +104,12 @@ def load_model_state(
         ['head.weight', 'head.bias']
     """
     target = unwrap_model(model)
+    if is_fsdp(target):
+        raise ConfigError(
+            f"load_model_state into an fsdp model ({type(target).__name__}): its parameters are "
+            "shards. Load the plain state dict into the module before wrap_model(..., "
+            "strategy='fsdp'), or resume a sharded checkpoint with CheckpointManager."
+        )
     target_keys = set(target.state_dict())
     state = strip_wrapper_prefixes(state, target_keys)
     result = target.load_state_dict(state, strict=strict)

@@ -32,6 +32,7 @@ def _version() -> str:
 
 def build_parser() -> argparse.ArgumentParser:
     from ddpkit.cli import bench as bench_cmd
+    from ddpkit.cli import checkpoint as checkpoint_cmd
     from ddpkit.cli import doctor as doctor_cmd
     from ddpkit.cli import plot as plot_cmd
     from ddpkit.cli import run as run_cmd
@@ -43,7 +44,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--version", action="version", version=_version())
     subparsers = parser.add_subparsers(dest="command", required=True, parser_class=OneLineParser)
-    for module in (train_cmd, run_cmd, doctor_cmd, bench_cmd, plot_cmd):
+    for module in (train_cmd, run_cmd, doctor_cmd, bench_cmd, plot_cmd, checkpoint_cmd):
         module.add_parser(subparsers)
     parser.set_defaults(subcommand_parsers=subparsers.choices)
     return parser

@@ -11,6 +11,8 @@ BENCHMARKS = {
     "allreduce": "all-reduce time, algbw and busbw per message size (nccl-tests convention)",
     "overhead": "the MNIST CNN step loop: raw DDP vs ddpkit vs Accelerate/Fabric vs no-sync",
     "scaling": "throughput for 1..N processes and the scaling efficiency",
+    "memory": "per-rank parameter, gradient and optimizer bytes, peak RSS and speed of ddp, "
+    "zero1 and fsdp",
 }
 
 

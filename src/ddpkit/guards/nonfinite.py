@@ -14,6 +14,7 @@ from ddpkit.distributed.collectives import gather_per_rank
 from ddpkit.distributed.process_group import Runtime
 from ddpkit.errors import DistributedError
 from ddpkit.guards.replicas import ReplicaDivergenceError, check_replicas
+from ddpkit.parallel.fsdp import local_tensor
 
 __all__ = ["NonFiniteError", "NonFiniteGuard", "ReplicaDivergenceError", "check_replicas"]
 
@@ -28,9 +29,11 @@ def _local_nonfinite(loss: torch.Tensor, model: nn.Module) -> int:
     """2: the loss is non-finite; 1: only gradients are; 0: all finite."""
     if not bool(torch.isfinite(loss.detach()).all()):
         return 2
+    # local_tensor: this rank's FSDP shard; a DTensor reduction would be a collective, and
+    # any() stops at different parameters on different ranks
     return int(
         any(
-            p.grad is not None and not bool(torch.isfinite(p.grad).all())
+            p.grad is not None and not bool(torch.isfinite(local_tensor(p.grad)).all())
             for p in model.parameters()
         )
     )

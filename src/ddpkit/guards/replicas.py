@@ -14,10 +14,15 @@ What DDP keeps identical, and what it does not:
   (what is saved, evaluated, and what every rank continues from), so such buffers are not
   compared. With ``broadcast_buffers=False`` (``forward_sync_buffers=False``) nothing
   overwrites them: each rank keeps statistics of its own shard for good; those are compared.
+
+Under ``fsdp`` the parameters are shards, different on every rank by design: they are not
+compared. The buffers are replicated (FSDP does not shard them, and does not broadcast them
+either), so they are compared; BatchNorm statistics agree only with SyncBatchNorm.
 """
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Sequence
 
 import torch
@@ -27,6 +32,8 @@ from torch.nn.parallel import DistributedDataParallel
 
 from ddpkit.distributed.process_group import Runtime
 from ddpkit.errors import DistributedError
+from ddpkit.log import get_logger
+from ddpkit.parallel.fsdp import is_fsdp
 from ddpkit.parallel.wrap import is_compiled
 
 _BLOCK = 4096  # words per row of the position-weighted sums
@@ -158,8 +165,32 @@ def synced_buffers(model: nn.Module) -> set[int]:
     return {id(b) for name, b in layer.module.named_buffers() if name not in ignored}
 
 
+_TOLD_SHARDED: weakref.WeakSet[nn.Module] = weakref.WeakSet()
+
+
+def _sharded(model: nn.Module) -> bool:
+    """True for an FSDP model, whose parameters are shards (different on every rank by
+    design): said once per model in an info line, and only its buffers are compared."""
+    if not is_fsdp(model):
+        return False
+    if model not in _TOLD_SHARDED:
+        _TOLD_SHARDED.add(model)
+        get_logger("guards").info(
+            "check_replicas: strategy fsdp shards every parameter, so only the replicated "
+            "state is compared: the %d buffer(s).",
+            sum(1 for _ in model.buffers()),
+        )
+    return True
+
+
 def buffer_fix(model: nn.Module) -> str:
     """How to make ``model``'s buffers agree across ranks, in one or two sentences."""
+    if is_fsdp(model):
+        return (
+            "FSDP does not broadcast buffers: each rank keeps the statistics of its own shard, "
+            "and only rank 0's are saved and evaluated. Use SyncBatchNorm for statistics over "
+            "all ranks (ddpkit.wrap_model(..., strategy='fsdp', sync_batchnorm=True))."
+        )
     if _ddp_layer(model) is not None:
         return (
             "DDP was built with broadcast_buffers=False (forward_sync_buffers=False), so each "
@@ -182,6 +213,8 @@ def check_replicas(model: nn.Module, runtime: Runtime, *, step: int) -> None:
     one all-gather. Buffers DDP overwrites with rank 0's at the next forward (its default) are
     skipped: they differ between forwards by design (see the module docstring). Cost: one pass
     over the parameters on their device and an all-gather of ``24 * num_tensors`` bytes.
+    An ``fsdp`` model's parameters are shards: only its buffers are compared (an info line
+    says so once; without buffers nothing is compared and nothing communicated).
 
     Collective: call on every rank at the same step. A no-op at world size 1.
 
@@ -202,8 +235,10 @@ def check_replicas(model: nn.Module, runtime: Runtime, *, step: int) -> None:
     if runtime.process_group is None:
         return
     skipped = synced_buffers(model)
-    params = list(model.named_parameters())
+    params = [] if _sharded(model) else list(model.named_parameters())
     buffers = [(n, b) for n, b in model.named_buffers() if id(b) not in skipped]
+    if not params and not buffers:  # fsdp without buffers: nothing replicated (same everywhere)
+        return
     names = [n for n, _ in params + buffers]
     num_params = len(params)
     param_problems, buffer_problems = [], []

@@ -37,6 +37,8 @@ from torch.nn.parallel import DistributedDataParallel
 from ddpkit.distributed.process_group import Runtime
 from ddpkit.errors import ConfigError
 from ddpkit.parallel.comm import CommStats
+from ddpkit.parallel.wrap import wrapped_strategy
+from ddpkit.parallel.zero import is_zero_optimizer
 
 if TYPE_CHECKING:
     from torch.distributed.optim import PostLocalSGDOptimizer
@@ -124,8 +126,9 @@ def enable_local_sgd(
         :class:`PeriodicAverager`.
 
     Raises:
-        ConfigError: ``sync_every`` < 2 (1 is plain DDP), ``model`` is not DDP, or it has a
-            comm hook or ``static_graph=True``.
+        ConfigError: ``sync_every`` < 2 (1 is plain DDP), ``model`` is not DDP (``fsdp``), the
+            strategy is ``zero1`` or the optimizer a ``ZeroRedundancyOptimizer``, or the model
+            has a comm hook or ``static_graph=True``.
 
     Example:
         >>> opt = enable_local_sgd(ddp_model, torch.optim.SGD(ddp_model.parameters(), 0.1),
@@ -135,6 +138,14 @@ def enable_local_sgd(
         raise ConfigError(
             f"invalid local SGD period: sync_every={sync_every!r}. It must be an integer >= 2 "
             "(1 means all-reduce every step: use plain DDP, i.e. do not call enable_local_sgd)."
+        )
+    strategy = wrapped_strategy(model)
+    if strategy in ("fsdp", "zero1") or is_zero_optimizer(optimizer):
+        raise ConfigError(
+            f"local SGD with strategy={strategy!r}: local SGD lets each rank train a whole "
+            "replica and averages the replicas; fsdp shards the parameters and zero1 the "
+            "optimizer state, so there is no replica to average. Use strategy='ddp' for local "
+            "SGD, or drop sync_every."
         )
     if not isinstance(model, DistributedDataParallel):
         raise ConfigError(

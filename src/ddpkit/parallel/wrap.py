@@ -6,11 +6,17 @@ Strategies:
   gradient buckets all-reduce during backward (overlap), tuned by ``bucket_cap_mb``.
 - ``dp``: ``torch.nn.DataParallel`` over 2+ CUDA devices in one process (see
   :mod:`ddpkit.parallel.dp`; PyTorch, and ddpkit, recommend ``ddp`` instead).
+- ``zero1``: ``ddp`` for the model; the optimizer state is sharded by torch's
+  ``ZeroRedundancyOptimizer`` (build it with :func:`ddpkit.build_zero_optimizer`; see
+  :mod:`ddpkit.parallel.zero`).
+- ``fsdp``: torch's FSDP2 ``fully_shard`` on each block and the root: parameters, gradients and
+  optimizer state sharded (see :mod:`ddpkit.parallel.fsdp`).
 - ``auto``: ``ddp`` when the world size is above 1, else ``single``.
 
 Wrap-time options: ``sync_batchnorm`` (see :mod:`ddpkit.parallel.syncbn`), ``grad_compression``
 and byte counting (see :mod:`ddpkit.parallel.comm`), ``compile`` (``torch.compile`` in place,
-in torch's order, with the first steps' gradients checked: see :mod:`ddpkit.parallel.compile`).
+in torch's order, with the first steps' gradients checked: see :mod:`ddpkit.parallel.compile`);
+for ``fsdp``: ``wrap_policy``, ``reshard_after_forward`` and ``precision``.
 """
 
 from __future__ import annotations
@@ -18,6 +24,7 @@ from __future__ import annotations
 import functools
 import inspect
 import sys
+import weakref
 from typing import Any
 
 import torch
@@ -35,8 +42,11 @@ from ddpkit.parallel.comm import (
     register_grad_hook,
 )
 
-STRATEGIES = ("auto", "single", "ddp", "dp")
+STRATEGIES = ("auto", "single", "ddp", "dp", "zero1", "fsdp")
 _WRAPPERS = (DistributedDataParallel, DataParallel)
+_FSDP_DEFAULTS = {"wrap_policy": None, "reshard_after_forward": True, "precision": "32"}
+# the strategy each DDP wrapper was built for ("ddp" or "zero1"); weak: dropped models are freed
+_STRATEGY_OF: weakref.WeakKeyDictionary[nn.Module, str] = weakref.WeakKeyDictionary()
 
 
 def is_compiled(model: object) -> bool:
@@ -83,6 +93,9 @@ def wrap_model(
     device_ids: list[int] | None = None,
     compile: bool | dict[str, Any] = False,
     grad_sync_check_steps: int | None = None,
+    wrap_policy: Any = None,
+    reshard_after_forward: bool = True,
+    precision: str = "32",
     **ddp_kwargs: Any,
 ) -> nn.Module:
     """Move ``model`` to the rank's device and wrap it for ``strategy``.
@@ -107,7 +120,8 @@ def wrap_model(
     Args:
         model: an unwrapped ``nn.Module``.
         runtime: the job's :class:`Runtime`.
-        strategy: ``auto``, ``single``, ``ddp`` or ``dp``.
+        strategy: ``auto``, ``single``, ``ddp``, ``dp``, ``zero1`` (DDP; pair it with
+            :func:`ddpkit.build_zero_optimizer`) or ``fsdp`` (FSDP2 ``fully_shard``).
         sync_batchnorm: convert every BatchNorm layer to a synchronised one before wrapping
             (statistics over all ranks' samples; ``ddp`` only, no-op without BatchNorm).
         grad_compression: ``none``, ``fp16``, ``bf16`` or ``powersgd`` (``ddp`` only): the DDP
@@ -125,20 +139,32 @@ def wrap_model(
         grad_sync_check_steps: compare the gradients across ranks before the first N optimizer
             steps (:class:`~ddpkit.guards.grad_sync.GradSyncCheck`; ``ddp``). Default: 3 with
             ``compile``, else 0 (off).
+        wrap_policy: (``fsdp``) which submodules get their own ``fully_shard``: ``None`` (each
+            block of the outermost ``ModuleList``/``Sequential``, else each child of the
+            root), a module class or tuple of classes, or ``policy(module) -> bool``.
+        reshard_after_forward: (``fsdp``) ``True`` frees each block's gathered parameters after
+            its forward (ZeRO-3); ``False`` keeps them for backward (ZeRO-2).
+        precision: (``fsdp``) ``32`` or ``bf16-mixed``: FSDP's ``MixedPrecisionPolicy``
+            (bfloat16 parameters and compute, float32 gradient reduce-scatter).
         **ddp_kwargs: passed to ``DistributedDataParallel`` (``bucket_cap_mb`` in MiB,
             ``gradient_as_bucket_view``, ``find_unused_parameters``, ``static_graph``, ...).
 
     Returns:
-        The wrapped model (the same module, moved, for ``single``).
+        The wrapped model (the same module, moved, for ``single``; the same module, sharded
+        in place, for ``fsdp``).
 
     Raises:
         ConfigError: unknown strategy or compression; a keyword ``DistributedDataParallel``
             does not take; the model is already wrapped; ``ddp`` options with an explicit
             ``strategy="single"``/``"dp"``; ``dp`` without 2+ CUDA devices or with several
             processes; ``compile`` not a bool or dict of ``torch.compile`` keywords, with
-            ``dp``, or with ``bucket_cap_mb`` below 1 (DDPOptimizer's first bucket).
-        DistributedError: ``ddp`` asked for without a process group (world size 1).
-        WrappedModelError: (``ddp``) the ranks' models differ in their trainable parameters.
+            ``dp``, or with ``bucket_cap_mb`` below 1 (DDPOptimizer's first bucket); an
+            ``fsdp`` option with another strategy, or a DDP option (``grad_compression``,
+            ``comm_stats``, DDP keywords) with ``fsdp``.
+        DistributedError: ``ddp``, ``zero1`` or ``fsdp`` asked for without a process group
+            (world size 1).
+        WrappedModelError: (``ddp``, ``zero1``, ``fsdp``) the ranks' models differ in their
+            trainable parameters.
         GradSyncError: later, from ``optimizer.step()`` on every rank, when the gradients of
             a checked step differ across ranks (they were not all-reduced).
 
@@ -147,6 +173,12 @@ def wrap_model(
         >>> ddp_model = wrap_model(Net(), runtime, "ddp", bucket_cap_mb=25,
         ...                        grad_compression="fp16", comm_stats=stats)  # doctest: +SKIP
     """
+    fsdp_options = {
+        "wrap_policy": wrap_policy,
+        "reshard_after_forward": reshard_after_forward,
+        "precision": precision,
+    }
+    _check_strategy_options(strategy, fsdp_options, grad_compression, comm_stats, ddp_kwargs)
     strategy = _check_wrap_args(
         model,
         runtime,
@@ -171,6 +203,31 @@ def wrap_model(
         from ddpkit.parallel.syncbn import convert_sync_batchnorm
 
         model = convert_sync_batchnorm(model, runtime)
+    if strategy == "fsdp":
+        from ddpkit.parallel.fsdp import wrap_fsdp
+
+        wrapped = wrap_fsdp(model, runtime, **fsdp_options)
+    else:
+        wrapped = _wrap_ddp(
+            model, runtime, strategy, grad_compression=grad_compression, comm_stats=comm_stats,
+            powersgd_rank=powersgd_rank, powersgd_start_step=powersgd_start_step,
+            ddp_kwargs=ddp_kwargs,
+        )  # fmt: skip
+    return finish_compile(wrapped, runtime, strategy, options, check_steps)
+
+
+def _wrap_ddp(
+    model: nn.Module,
+    runtime: Runtime,
+    strategy: str,
+    *,
+    grad_compression: str,
+    comm_stats: CommStats | None,
+    powersgd_rank: int,
+    powersgd_start_step: int,
+    ddp_kwargs: dict[str, Any],
+) -> DistributedDataParallel:
+    """``ddp`` and ``zero1``: the parameters compared, DDP built, its comm hook, the guard."""
     model = model.to(runtime.device)
     verify_same_parameters(model, runtime)
     if grad_compression == "powersgd":
@@ -189,7 +246,57 @@ def wrap_model(
             powersgd_start_step=powersgd_start_step,
         )
     WrapGuard(ddp_model, runtime).attach()
-    return finish_compile(ddp_model, runtime, strategy, options, check_steps)
+    _STRATEGY_OF[ddp_model] = strategy
+    return ddp_model
+
+
+def wrapped_strategy(model: nn.Module) -> str:
+    """The strategy ``model`` was wrapped for: ``fsdp``, ``zero1``, ``ddp``, ``dp`` or
+    ``single`` (a module ddpkit did not wrap counts as ``single``, or ``ddp``/``dp`` by its
+    wrapper class)."""
+    from ddpkit.parallel.fsdp import is_fsdp
+
+    layer = model
+    while is_compiled(layer):
+        layer = layer._orig_mod
+    if is_fsdp(layer):
+        return "fsdp"
+    if isinstance(layer, DistributedDataParallel):
+        return _STRATEGY_OF.get(layer, "ddp")
+    return "dp" if isinstance(layer, DataParallel) else "single"
+
+
+def _check_strategy_options(
+    strategy: str,
+    fsdp_options: dict[str, Any],
+    grad_compression: str,
+    comm_stats: CommStats | None,
+    ddp_kwargs: dict[str, Any],
+) -> None:
+    """Refuse FSDP options without ``fsdp``, and DDP's gradient-sync options with it (at
+    every world size: checked before the process group is looked at).
+
+    Raises:
+        ConfigError: one line naming the options, the strategy and the fix.
+    """
+    if strategy not in STRATEGIES:  # _check_wrap_args names the allowed ones
+        return
+    fsdp_given = [f"{k}={v!r}" for k, v in fsdp_options.items() if v != _FSDP_DEFAULTS[k]]
+    if strategy != "fsdp" and fsdp_given:
+        raise ConfigError(
+            f"FSDP options {', '.join(fsdp_given)} given for strategy={strategy!r}: they "
+            "configure fully_shard. Use strategy='fsdp', or drop them (mixed precision for "
+            "DDP is ddpkit.MixedPrecision in the training step)."
+        )
+    ddp_given = [f"grad_compression={grad_compression!r}"] if grad_compression != "none" else []
+    ddp_given += ["comm_stats=CommStats(...)"] if comm_stats is not None else []
+    ddp_given += [f"{k}={v!r}" for k, v in sorted(ddp_kwargs.items())]
+    if strategy == "fsdp" and ddp_given:
+        raise ConfigError(
+            f"DDP options {', '.join(ddp_given)} given for strategy='fsdp': FSDP reduce-"
+            "scatters gradients itself, without DDP's buckets or comm hooks. Drop them, or "
+            "use strategy='ddp' or 'zero1'."
+        )
 
 
 def _check_wrap_args(
@@ -226,10 +333,10 @@ def _check_wrap_args(
         )
     if strategy == "auto":
         strategy = "ddp" if runtime.world_size > 1 else "single"
-    if strategy == "ddp" and runtime.process_group is None:
+    if strategy in ("ddp", "zero1", "fsdp") and runtime.process_group is None:
         raise DistributedError(
-            "strategy='ddp' needs a process group, and world_size=1 has none. Launch several "
-            "processes (ddpkit run -n 2 ... / torchrun), or use strategy='single'."
+            f"strategy={strategy!r} needs a process group, and world_size=1 has none. Launch "
+            "several processes (ddpkit run -n 2 ... / torchrun), or use strategy='single'."
         )
     return strategy
 
@@ -280,7 +387,29 @@ def _check_ddp_kwargs(ddp_kwargs: dict[str, Any]) -> None:
         )
 
 
-def model_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
+def model_state_dict(model: nn.Module, *, sharded: bool = False) -> dict[str, torch.Tensor]:
     """The state dict of the unwrapped model: keys never start with ``module.`` or
-    ``_orig_mod.`` (DDP, DataParallel and ``torch.compile`` wrappers removed)."""
-    return unwrap_model(model).state_dict()
+    ``_orig_mod.`` (DDP, DataParallel and ``torch.compile`` wrappers removed).
+
+    For an ``fsdp`` model it is a collective (call on every rank): the full state dict,
+    gathered to CPU, on rank 0 and ``{}`` on the other ranks (torch's
+    ``get_model_state_dict(full_state_dict=True, cpu_offload=True)``); ``sharded=True`` gives
+    every rank its shards instead (``DTensor`` values, what ``torch.distributed.checkpoint``
+    saves), without communication. For the other strategies every rank gets the whole dict,
+    and ``sharded`` changes nothing.
+
+    Example:
+        >>> state = model_state_dict(model)                # every rank calls it  # doctest: +SKIP
+        >>> if rt.is_rank_zero:
+        ...     torch.save(state, "model.pt")
+    """
+    from ddpkit.parallel.fsdp import is_fsdp
+
+    inner = unwrap_model(model)
+    if not is_fsdp(inner):
+        return inner.state_dict()
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    full = not sharded
+    options = StateDictOptions(full_state_dict=full, cpu_offload=full)
+    return get_model_state_dict(inner, options=options)

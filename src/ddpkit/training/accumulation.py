@@ -45,6 +45,7 @@ from ddpkit.distributed.collectives import all_reduce_sum
 from ddpkit.distributed.process_group import Runtime
 from ddpkit.distributed.sampler import ShardedLoader
 from ddpkit.errors import ConfigError, DistributedError
+from ddpkit.parallel.fsdp import gradient_sync_off
 from ddpkit.training.dynamic import UnusedParameterDiagnosis
 from ddpkit.training.precision import MixedPrecision
 
@@ -236,8 +237,10 @@ class AccumulationWindow:
 class MicroStep:
     """One micro-step; a context manager whose body holds its forward and backward.
 
-    Not the last of its window: the body runs under ``model.no_sync()`` (gradients stay local
-    and accumulate). The last: gradients are all-reduced during its backward. The precision's
+    Not the last of its window: the body runs under ``model.no_sync()`` (DDP), or with FSDP's
+    gradient sync off (``set_requires_gradient_sync(False)``): gradients stay local and
+    accumulate. The last: gradients are all-reduced (FSDP: reduce-scattered) during its
+    backward. The precision's
     autocast covers the body; :meth:`backward` runs outside autocast.
 
     Attributes:
@@ -271,8 +274,8 @@ class MicroStep:
                 "micro-step once, in order, never nested."
             )
         self._stack = contextlib.ExitStack()
-        if not self.is_last and hasattr(acc.model, "no_sync"):
-            self._stack.enter_context(acc.model.no_sync())
+        if not self.is_last:  # DDP's no_sync(), FSDP's set_requires_gradient_sync(False)
+            self._stack.enter_context(gradient_sync_off(acc.model))
         self._stack.enter_context(acc.precision.autocast())
         acc._active = self
         return self

@@ -13,6 +13,7 @@ from torch.nn import functional as F
 
 from ddpkit.distributed.collectives import all_reduce_sum
 from ddpkit.distributed.process_group import Runtime
+from ddpkit.parallel.fsdp import gathered_for_eval
 from ddpkit.parallel.wrap import unwrap_model
 
 
@@ -36,7 +37,10 @@ def evaluate(
 
     Each rank runs the *unwrapped* model on its own shard (build the loader with
     :func:`ddpkit.build_eval_loader`, which gives every sample to exactly one rank), so shards
-    of unequal length never wait on DDP's per-forward collectives. Then one all-reduce adds up
+    of unequal length never wait on DDP's per-forward collectives. An ``fsdp`` model gathers
+    all its parameters once before the pass and reshards after it (one all-gather per FSDP
+    unit; the whole model is on every rank meanwhile), so its forwards need no collective
+    either. Then one all-reduce adds up
     ``(loss_sum, num_correct, num_samples)``: accuracy = global correct / global count, never a
     mean of per-rank means.
 
@@ -60,7 +64,7 @@ def evaluate(
     module = unwrap_model(model)
     was_training = module.training
     loss_sum = num_correct = num_samples = 0.0
-    with rank_zero_buffers(module, runtime):
+    with gathered_for_eval(module), rank_zero_buffers(module, runtime):
         module.eval()
         try:
             for inputs, targets in loader:

@@ -19,6 +19,8 @@ rank raises naming each rank's scale, before anything is stepped.
 
 Clipping (``max_norm``) runs once, after ``GradScaler.unscale_``, so it always acts on the true
 (unscaled) gradients, and the norm :meth:`MixedPrecision.step` reports is the unscaled one.
+Under FSDP the gradients are ``DTensor`` shards: torch's ``clip_grad_norm_`` computes the total
+norm over every rank's shards (one all-reduce) and scales each shard by the same factor.
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ from torch import nn
 from ddpkit.distributed.collectives import gather_per_rank
 from ddpkit.distributed.process_group import Runtime
 from ddpkit.errors import ConfigError, DistributedError
+from ddpkit.parallel.fsdp import full_value
 
 PRECISIONS = ("32", "bf16-mixed", "16-mixed")
 
@@ -148,8 +151,9 @@ class MixedPrecision:
             self.scaler.unscale_(optimizer)  # records inf/NaN; the step below then skips
         grad_norm = None
         if max_norm > 0:
+            # FSDP: a DTensor total norm over every rank's shards (torch's DTensor-aware norm)
             norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
-            grad_norm = float(norm)
+            grad_norm = float(full_value(norm))
         if self.scaler is None:
             optimizer.step()
             return OptimizerUpdate(True, grad_norm)

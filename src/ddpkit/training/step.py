@@ -28,7 +28,11 @@ from torch import nn
 from torch.nn import functional as F
 
 from ddpkit.distributed.process_group import Runtime
+from ddpkit.errors import ConfigError
 from ddpkit.guards.nonfinite import NonFiniteGuard
+from ddpkit.parallel.fsdp import is_sharded_tensor
+from ddpkit.parallel.wrap import wrapped_strategy
+from ddpkit.parallel.zero import is_zero_optimizer
 from ddpkit.training.accumulation import (
     AccumulationWindow,
     GradientAccumulator,
@@ -83,6 +87,42 @@ class StepResult:
         return self.loss_sum / max(self.num_samples, 1)
 
 
+def check_strategy_pairing(
+    model: nn.Module, optimizer: torch.optim.Optimizer, precision: MixedPrecision
+) -> None:
+    """Refuse a sharded strategy stepped in a way that silently undoes it.
+
+    Raises:
+        ConfigError: a ``zero1`` model with an optimizer that is not a
+            ``ZeroRedundancyOptimizer`` (the state would stay whole on every rank); an ``fsdp``
+            model whose optimizer holds parameters that are not its shards (built before
+            ``wrap_model``: it would step tensors FSDP no longer uses), or with ``16-mixed``
+            (no loss scaler for sharded gradients).
+    """
+    strategy = wrapped_strategy(model)
+    if strategy == "zero1" and not is_zero_optimizer(optimizer):
+        raise ConfigError(
+            f"strategy='zero1' with a {type(optimizer).__name__}: ZeRO-1 shards the optimizer "
+            "state, and this optimizer keeps all of it on every rank. Build it with "
+            "ddpkit.build_zero_optimizer(model.parameters(), runtime, optimizer_class=...)."
+        )
+    if strategy != "fsdp":
+        return
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    if not all(is_sharded_tensor(p) for p in params):
+        raise ConfigError(
+            "strategy='fsdp': the optimizer holds parameters that are not the model's shards "
+            "(it was built before wrap_model, which replaces them). Build the optimizer after "
+            "wrapping: torch.optim.AdamW(model.parameters(), ...)."
+        )
+    if precision.scaler is not None:
+        raise ConfigError(
+            "precision='16-mixed' with strategy='fsdp': its loss scaler does not handle sharded "
+            "gradients. Use bf16-mixed (wrap_model(..., precision='bf16-mixed') and "
+            "MixedPrecision('bf16-mixed', runtime))."
+        )
+
+
 class TrainStep:
     """One optimizer step: zero_grad, K micro-steps, guards, unscale/clip/step.
 
@@ -121,7 +161,9 @@ class TrainStep:
 
     Raises:
         ConfigError: ``num_micro_steps`` is not a positive integer, or above 1 with DDP's
-            ``static_graph=True`` (see :class:`~ddpkit.GradientAccumulator`).
+            ``static_graph=True`` (see :class:`~ddpkit.GradientAccumulator`); a strategy and
+            optimizer or precision that do not go together (see
+            :func:`check_strategy_pairing`).
 
     Example:
         >>> step = TrainStep(model, optimizer, runtime=rt, num_micro_steps=4)  # doctest: +SKIP
@@ -150,6 +192,7 @@ class TrainStep:
         self.optimizer = optimizer
         self.runtime = runtime
         self.precision = precision or MixedPrecision("32", runtime)
+        check_strategy_pairing(model, optimizer, self.precision)
         self.accumulator = GradientAccumulator(
             model, runtime, num_micro_steps=num_micro_steps, precision=self.precision,
             same_batch_sizes=same_batch_sizes, num_samples_fn=num_samples_fn,

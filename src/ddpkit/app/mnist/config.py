@@ -143,8 +143,16 @@ class WrapConfig:
 
     strategy: str = option(
         "auto", "auto: ddp for 2+ processes, single for one; dp: DataParallel over 2+ GPUs in "
-        "one process (--nproc 1; an error without 2 GPUs; PyTorch recommends ddp instead)",
+        "one process (--nproc 1; an error without 2 GPUs; PyTorch recommends ddp instead); "
+        "zero1: ddp with the optimizer state sharded (ZeroRedundancyOptimizer); fsdp: "
+        "parameters, gradients and optimizer state sharded (FSDP2 fully_shard on each layer), "
+        "checkpoints saved by every rank (torch.distributed.checkpoint)",
         choices=STRATEGIES,
+    )  # fmt: skip
+    reshard_after_forward: bool = option(
+        True, "fsdp: free each layer's gathered parameters after its forward and gather them "
+        "again in backward (on, default: ZeRO-3) or keep them until backward (off: ZeRO-2, "
+        "more memory, fewer all-gathers)", on_off=True,
     )  # fmt: skip
     bucket_cap_mb: float | None = option(
         None, "DDP gradient bucket size in MiB; buckets all-reduce while backward runs "
@@ -247,6 +255,11 @@ class CheckpointConfig:
         0, "save a checkpoint to OUTPUT_DIR/checkpoints every STEPS optimizer steps "
         "(0 = never; keeps the last 3)", check=at_least(0), metavar="STEPS",
     )  # fmt: skip
+    async_checkpoint: bool = option(
+        False, "fsdp/zero1: write each checkpoint's shards in a background thread "
+        "(torch.distributed.checkpoint.async_save); the save is committed at the next one or "
+        "at the end of training, so the loop waits only for the copy to CPU memory",
+    )  # fmt: skip
     resume: str = option(
         "", "resume from the newest complete checkpoint in OUTPUT_DIR (auto) or from PATH; "
         "another --nproc keeps the checkpoint's global batch (per-rank batch and micro-steps "
@@ -326,7 +339,8 @@ def check(config: TrainConfig, *, world_size: int | None = None) -> None:
             its range or choices and, once every value is valid on its own, each pair that
             cannot work together (16-mixed with the non-finite guard, a static graph with
             accumulation or local SGD, local SGD with compression or Join or checks off its
-            period, a strategy that does not fit the world size, DDP options without DDP).
+            period, a strategy that does not fit the world size, DDP options without DDP or
+            with fsdp, fsdp's reshard_after_forward without fsdp, local SGD with zero1).
 
     Example::
 
@@ -418,11 +432,12 @@ def _strategy_rules(c: TrainConfig, world_size: int) -> list[str]:
             f"strategy={c.strategy!r} with world_size={world_size}. It runs in one process. "
             "Use nproc=1 (--nproc 1), or strategy='ddp' for several processes"
         ]
-    if strategy == "ddp" and world_size < 2:
+    if strategy in ("ddp", "zero1", "fsdp") and world_size < 2:
         return [
-            f"strategy='ddp' with world_size={world_size}. It needs 2 or more processes. Use "
-            "strategy='single', or nproc=2 or more"
+            f"strategy={strategy!r} with world_size={world_size}. It needs 2 or more processes. "
+            "Use strategy='single', or nproc=2 or more"
         ]
+    problems = _sharded_rules(c, strategy)
     ddp_only = {
         "bucket_cap_mb": c.bucket_cap_mb is not None,
         "grad_as_bucket_view": c.grad_as_bucket_view,
@@ -431,10 +446,47 @@ def _strategy_rules(c: TrainConfig, world_size: int) -> list[str]:
         "sync_batchnorm": c.sync_batchnorm,
     }
     given = [f"{name}={getattr(c, name)!r}" for name, on in ddp_only.items() if on]
-    if strategy == "ddp" or not given:
-        return []
-    return [
+    if strategy in ("ddp", "zero1", "fsdp") or not given:
+        return problems
+    return problems + [
         f"{', '.join(given)} with strategy={strategy!r} (world_size={world_size}). These "
         f"configure DDP's gradient sync, and strategy {strategy!r} has none. Use 2 or more "
         "processes (ddp), or drop them"
     ]
+
+
+def _sharded_rules(c: TrainConfig, strategy: str) -> list[str]:
+    """What the sharded strategies do not take (ddp's own options, 16-mixed, local SGD)."""
+    problems = []
+    if c.async_checkpoint and strategy not in ("fsdp", "zero1"):
+        problems.append(
+            f"async_checkpoint=True with strategy={strategy!r}. Only sharded checkpoints "
+            "(fsdp, zero1) are written in the background. Use one of them, or drop "
+            "--async-checkpoint"
+        )
+    if not c.reshard_after_forward and strategy != "fsdp":
+        problems.append(
+            f"reshard_after_forward=False with strategy={strategy!r}. It configures FSDP's "
+            "fully_shard. Use strategy='fsdp', or drop --reshard-after-forward off"
+        )
+    if strategy == "zero1" and c.sync_every > 1:
+        problems.append(
+            f"sync_every={c.sync_every} with strategy='zero1'. Local SGD averages whole "
+            "replicas, and zero1 shards the optimizer state. Use strategy='ddp' for local SGD"
+        )
+    if strategy != "fsdp":
+        return problems
+    not_fsdp = {
+        "bucket_cap_mb": c.bucket_cap_mb is not None, "grad_as_bucket_view": c.grad_as_bucket_view,
+        "grad_compression": c.grad_compression != "none", "sync_every": c.sync_every > 1,
+        "find_unused_parameters": c.find_unused_parameters, "static_graph": c.static_graph,
+        "join": c.join, "precision": c.precision == "16-mixed",
+    }  # fmt: skip
+    given = [f"{name}={getattr(c, name)!r}" for name, on in not_fsdp.items() if on]
+    if given:
+        problems.append(
+            f"{', '.join(given)} with strategy='fsdp'. These configure DDP's gradient sync, "
+            "local SGD or Join (or need a loss scaler over sharded gradients: 16-mixed), which "
+            "FSDP does not use. Drop them (precision: bf16-mixed), or use strategy='ddp'"
+        )
+    return problems

@@ -24,7 +24,7 @@ from torch.nn.parallel import DistributedDataParallel
 from ddpkit.app.mnist.config import TrainConfig, check
 from ddpkit.app.mnist.data import DataSource
 from ddpkit.app.mnist.epoch_meter import EpochMeter, coverage_note
-from ddpkit.app.mnist.model import build_model, build_optimizer
+from ddpkit.app.mnist.model import build_model, build_optimizer, optimizer_spec
 from ddpkit.app.mnist.monitor import TrainingMonitor
 from ddpkit.app.mnist.outputs import finite_or_none, reset_outputs
 from ddpkit.app.mnist.resume import BatchPlan, checkpoint_settings, plan_batch
@@ -38,6 +38,7 @@ from ddpkit.log import get_logger
 from ddpkit.parallel.comm import CommStats
 from ddpkit.parallel.local_sgd import enable_local_sgd
 from ddpkit.parallel.wrap import model_state_dict, wrap_model
+from ddpkit.parallel.zero import build_zero_optimizer
 from ddpkit.training.evaluate import evaluate
 from ddpkit.training.loop import train_epoch
 from ddpkit.training.observe import StepTimer
@@ -52,14 +53,19 @@ def build_model_and_optimizer(
 ) -> tuple[nn.Module, torch.optim.Optimizer, torch.optim.Optimizer, CommStats | None]:
     """The wrapped CNN for ``dataset`` and its optimizer, with the config's wrap-time options.
 
+    ``zero1``: the optimizer is a ``ZeroRedundancyOptimizer``; ``fsdp``: the model is sharded
+    and its optimizer built over the shards (see :func:`_build_fsdp`).
+
     Collective: call on every rank (DDP broadcasts rank 0's parameters).
 
     Returns:
         ``(model, optimizer, inner_optimizer, comm_stats)``: ``optimizer`` is what the loop
         steps (a ``PostLocalSGDOptimizer`` with ``sync_every`` > 1), ``inner_optimizer`` the
         one an LR schedule drives; ``comm_stats`` counts gradient and averaging bytes (``None``
-        for ``dp``, which has no DDP hook).
+        for ``dp``, which has no DDP hook, and for ``fsdp``, whose collectives are FSDP's).
     """
+    if config.strategy == "fsdp":
+        return _build_fsdp(config, runtime, dataset)
     ddp_kwargs: dict = _ddp_options(config, runtime) if config.strategy != "dp" else {}
     if config.bucket_cap_mb is not None:
         ddp_kwargs["bucket_cap_mb"] = config.bucket_cap_mb
@@ -82,7 +88,13 @@ def build_model_and_optimizer(
         compile={"backend": config.compile_backend} if config.compile else False,
         **ddp_kwargs,
     )  # DDP when world_size > 1; replicas start equal
-    inner = build_optimizer(config.optimizer, model.parameters(), config.lr)
+    if config.strategy == "zero1":  # the optimizer state sharded over the ranks
+        optimizer_class, kwargs = optimizer_spec(config.optimizer, config.lr)
+        inner = build_zero_optimizer(
+            model.parameters(), runtime, optimizer_class=optimizer_class, **kwargs
+        )
+    else:
+        inner = build_optimizer(config.optimizer, model.parameters(), config.lr)
     optimizer = inner
     if local_sgd:
         optimizer = enable_local_sgd(
@@ -93,6 +105,23 @@ def build_model_and_optimizer(
             p.numel() * p.element_size() for p in model.parameters() if p.requires_grad
         )
     return model, optimizer, inner, stats
+
+
+def _build_fsdp(
+    config: TrainConfig, runtime: Runtime, dataset: str
+) -> tuple[nn.Module, torch.optim.Optimizer, torch.optim.Optimizer, CommStats | None]:
+    """``--strategy fsdp``: each layer sharded (``fully_shard``), the optimizer over the shards
+    (built after wrapping), FSDP's mixed precision from ``--precision``; no byte counter."""
+    model = wrap_model(
+        build_model(dataset),
+        runtime,
+        strategy="fsdp",
+        sync_batchnorm=config.sync_batchnorm,
+        reshard_after_forward=config.reshard_after_forward,
+        precision=config.precision,
+    )
+    optimizer = build_optimizer(config.optimizer, model.parameters(), config.lr)
+    return model, optimizer, optimizer, None
 
 
 def _fault_injection(runtime: Runtime) -> int:
@@ -222,7 +251,7 @@ def build_training(
     settings = checkpoint_settings(config, source.dataset, plan)
     ckpt = CheckpointManager(
         Path(config.output_dir) / "checkpoints", runtime, state=state,
-        every_steps=config.checkpoint_every, extra=settings,
+        every_steps=config.checkpoint_every, extra=settings, async_save=config.async_checkpoint,
     )  # fmt: skip
     return MnistTraining(
         model, optimizer, inner_optimizer, comm_stats, train_loader, test_loader, precision,
@@ -280,7 +309,8 @@ def train_mnist(config: TrainConfig, runtime: Runtime, source: DataSource) -> di
         inside counted whole), wall_s (of this process), dataset,
         comm_bytes_per_step (gradient plus local-SGD averaging payload bytes each rank handed
         to all-reduce per optimizer step, counted by ddpkit's DDP comm hook; 0 for a single
-        process, null for dp). Non-finite values (a diverged run) are written as ``null``.
+        process, null for dp and fsdp; for zero1 the gradient all-reduce only, not ZeRO's
+        parameter broadcast). Non-finite values (a diverged run) are written as ``null``.
     """
     start = time.perf_counter()
     output_dir = Path(config.output_dir)
@@ -314,6 +344,7 @@ def train_mnist(config: TrainConfig, runtime: Runtime, source: DataSource) -> di
         raise KeyboardInterrupt(f"after step {step} (epoch {epoch}/{config.epochs})") from None
     finally:
         monitor.close()
+    job.ckpt.wait()  # --async-checkpoint: the last save committed (a no-op otherwise)
     if test is None:  # resumed from a checkpoint taken at the very end: evaluate it
         test = evaluate(job.model, job.test_loader, runtime)
     summary = {
@@ -443,10 +474,14 @@ def _log_epoch(record: dict, num_epochs: int, note: str) -> None:
 
 
 def _write_outputs(output_dir: Path, runtime: Runtime, model: nn.Module, summary: dict) -> None:
-    """Rank 0 writes ``model.pt`` and ``summary.json`` atomically and logs what is there."""
+    """Rank 0 writes ``model.pt`` and ``summary.json`` atomically and logs what is there.
+
+    Collective for ``fsdp`` (the full state dict is gathered to rank 0): call on every rank.
+    """
+    state = model_state_dict(model)
     if not runtime.is_rank_zero:
         return
-    torch.save(model_state_dict(model), output_dir / ".model.pt.tmp")
+    torch.save(state, output_dir / ".model.pt.tmp")
     os.replace(output_dir / ".model.pt.tmp", output_dir / "model.pt")
     write_json_atomic(output_dir / "summary.json", summary)
     written = sorted(p.name for p in output_dir.iterdir() if not p.name.startswith("."))

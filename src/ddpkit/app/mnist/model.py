@@ -69,7 +69,13 @@ def build_model(dataset: str = "mnist") -> nn.Module:
     return MODELS[dataset]()
 
 
-def build_optimizer(name: str, params, lr: float) -> torch.optim.Optimizer:
+def optimizer_spec(name: str, lr: float) -> tuple[type[torch.optim.Optimizer], dict]:
+    """``(optimizer class, its arguments)`` of ``--optimizer NAME`` (SGD: momentum 0.9)."""
     if name == "sgd":
-        return torch.optim.SGD(params, lr=lr, momentum=0.9)
-    return (torch.optim.AdamW if name == "adamw" else torch.optim.Adam)(params, lr=lr)
+        return torch.optim.SGD, {"lr": lr, "momentum": 0.9}
+    return (torch.optim.AdamW if name == "adamw" else torch.optim.Adam), {"lr": lr}
+
+
+def build_optimizer(name: str, params, lr: float) -> torch.optim.Optimizer:
+    optimizer_class, kwargs = optimizer_spec(name, lr)
+    return optimizer_class(params, **kwargs)
