@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import time
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -59,6 +60,7 @@ from ddpkit.checkpoint.objects import (
 from ddpkit.checkpoint.state import load_model_state, rng_state, set_rng_state
 from ddpkit.distributed.collectives import all_gather_object, all_reduce_sum, barrier
 from ddpkit.distributed.process_group import Runtime
+from ddpkit.distributed.stop import TrainingStopped
 from ddpkit.errors import ConfigError, DataError, DistributedError
 from ddpkit.guards.replicas import buffer_fix
 from ddpkit.log import get_logger
@@ -147,7 +149,8 @@ class CheckpointManager:
             agree across ranks; a ``ZeroRedundancyOptimizer`` is consolidated on rank 0 first.
             The names key the checkpoint: resume with the same names.
         keep_last: complete checkpoints to keep (older ones are deleted by rank 0), >= 1.
-        every_steps: :meth:`maybe_save` saves when ``step % every_steps == 0`` (0 = never).
+        every_steps: :meth:`maybe_save` saves when ``step % every_steps == 0`` (0 = never);
+            it also saves, and stops, at a step the ranks agreed to stop at after a signal.
         every_epochs: :meth:`maybe_save_epoch` saves after every this many epochs (0 = never).
         extra: JSON settings written to the manifest (batch size, lr, ...); :meth:`resume`
             refuses a checkpoint whose settings differ (see :func:`check_compatible`).
@@ -186,6 +189,8 @@ class CheckpointManager:
         self.runtime = runtime
         self.keep_last = keep_last
         self.every_steps = every_steps
+        self.save_s = 0.0  # seconds spent in save() so far (the goodput's checkpoint time)
+        self._newest: tuple[int, Path] | None = None  # the newest complete checkpoint known
         self.every_epochs = every_epochs
 
     def _managed(self, action: str) -> dict[str, Any]:
@@ -222,7 +227,7 @@ class CheckpointManager:
         Example:
             >>> ckpt.save(step)  # doctest: +SKIP
         """
-        managed = self._managed("save")
+        managed, start = self._managed("save"), time.perf_counter()
         for obj in managed.values():
             if is_zero_optimizer(obj) and self.runtime.process_group is not None:
                 with self.runtime.watch("ZeroRedundancyOptimizer.consolidate_state_dict"):
@@ -244,6 +249,8 @@ class CheckpointManager:
             except Exception as exc:  # noqa: BLE001 - every rank must learn of it
                 error = exc
         self._agree_written(step, error)
+        self._newest = (step, folder)
+        self.save_s += time.perf_counter() - start
         return folder
 
     def _write(self, step: int, state: dict, found: dict) -> Path:
@@ -278,10 +285,30 @@ class CheckpointManager:
         )
 
     def maybe_save(self, step: int) -> Path | None:
-        """:meth:`save` when ``every_steps`` divides ``step``. Collective like :meth:`save`."""
+        """:meth:`save` when ``every_steps`` divides ``step``; after a stop signal, at the step
+        the ranks agree on (:meth:`ddpkit.Runtime.stop_requested`, asked here): save, then
+        raise :class:`~ddpkit.TrainingStopped`.
+
+        Collective like :meth:`save`: call on every rank after every step.
+
+        Raises:
+            TrainingStopped: every rank agreed to stop; ``step`` was saved first, unless nothing
+                was trained since the newest checkpoint (or ``step`` is 0). Uncaught, it ends
+                the process with status 128 + the signal number.
+        """
+        if self.runtime.stop_requested():
+            raise self._stopped(step)
         if self.every_steps and step % self.every_steps == 0:
             return self.save(step)
         return None
+
+    def _stopped(self, step: int) -> TrainingStopped:
+        """Save ``step`` for the agreed stop (unless nothing was trained since the newest
+        checkpoint); the exception to raise. Collective."""
+        fresh = step > 0 and (self._newest is None or self._newest[0] != step)
+        folder = self.save(step) if fresh else (self._newest[1] if self._newest else None)
+        assert self.runtime.stop is not None and self.runtime.stop.agreed is not None
+        return TrainingStopped(self.runtime.stop.agreed, step=step, checkpoint=folder, saved=fresh)
 
     def maybe_save_epoch(self, epoch: int, *, step: int) -> Path | None:
         """After epoch ``epoch`` (1-based) ends: :meth:`save` of ``step`` when
@@ -383,5 +410,6 @@ class CheckpointManager:
                 if int(newer.name[5:]) > int(state["step"]):
                     shutil.rmtree(newer, ignore_errors=True)
         barrier(self.runtime)
+        self._newest = (int(state["step"]), folder)
         log.info("resumed from %s (step %d)", folder, state["step"])
         return int(state["step"])
