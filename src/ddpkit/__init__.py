@@ -40,6 +40,7 @@ from ddpkit.distributed.sampler import (
     build_eval_loader,
     build_train_loader,
 )
+from ddpkit.distributed.stop import TrainingStopped
 from ddpkit.distributed.watchdog import DeadlockError, StallError
 from ddpkit.errors import ConfigError, DataError, DdpkitError, DistributedError
 from ddpkit.guards.nonfinite import NonFiniteError, NonFiniteGuard
@@ -81,6 +82,7 @@ __all__ = [
     "StepResult",
     "StepTimer",
     "TrainStep",
+    "TrainingStopped",
     "UnevenInputsError",
     "UnpaddedDistributedSampler",
     "UnusedParameterDiagnosis",

@@ -57,7 +57,9 @@ def test_defaults_and_grace_from_the_environment():
     assert grace_period_s({}) is None  # no launcher: nobody SIGKILLs this process
     assert grace_period_s({"TORCHELASTIC_RUN_ID": "x"}) == 30.0  # torchrun's default
     assert grace_period_s({"TORCHELASTIC_RUN_ID": "x", "TORCH_ELASTIC_SHUTDOWN_TIMEOUT": "7"}) == 7
-    assert grace_period_s({"DDPKIT_GRACE_PERIOD_S": "12", "TORCH_ELASTIC_SHUTDOWN_TIMEOUT": "7"}) == 12
+    assert (
+        grace_period_s({"DDPKIT_GRACE_PERIOD_S": "12", "TORCH_ELASTIC_SHUTDOWN_TIMEOUT": "7"}) == 12
+    )
 
 
 def test_training_stopped_is_an_exit_with_128_plus_the_signal():
@@ -128,8 +130,10 @@ def test_check_interval_keeps_the_checks_within_budget_and_a_second_apart():
     request._calls, request._mark, request._check_s = 10, (100.0, 0), 0.00018
     # 10 calls in 0.05 s (5 ms each); a check of 0.18 ms: 1 % needs a check every 4 calls
     assert request._next_interval(100.05) == 4
-    request._check_s = 0.5  # a slow check: as rare as 1 s of training between checks allows
-    assert request._next_interval(100.05) in (199, 200)  # 1 s / 5 ms, in floating point
+    request._check_s = 0.5  # a slow check: as rare as 20 calls apart allows
+    assert request._next_interval(100.05) == 20
+    request._calls, request._mark = 2, (0.0, 0)  # 2 calls in 0.25 s, a 0.5 s check:
+    assert request._next_interval(0.25) == 8  # 1 s of training between checks
     request._mark = (100.0, 9)  # one call took 2 s: check at every call
     assert request._next_interval(102.0) == 1
 
@@ -177,7 +181,10 @@ time.sleep(30)  # a loop that no longer asks
 def test_a_request_no_step_answers_ends_the_process_after_the_fallback():
     start = time.monotonic()
     proc = subprocess.Popen(
-        [sys.executable, "-c", UNANSWERED], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+        [sys.executable, "-c", UNANSWERED],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
     )
     try:
         assert proc.stdout.readline().strip() == "ready"

@@ -9,11 +9,13 @@ or none of it, and a writer killed at any moment leaves at most a ``.tmp-*`` fol
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import io
 import json
 import os
 import shutil
+import time
 from pathlib import Path
 from typing import Any
 
@@ -23,6 +25,7 @@ from ddpkit.errors import DataError
 
 MANIFEST = "manifest.json"
 STATE_FILE = "state.pt"
+SLOW_SAVE_ENV = "DDPKIT_TEST_SLOW_SAVE_S"  # a testing hook: every write sleeps this long
 FORMAT_VERSION = 2  # 2: the manager's {name: state dict} under "state"
 
 
@@ -74,6 +77,8 @@ def write_checkpoint(directory: Path, step: int, state: dict[str, Any], meta: di
 def _write_files(tmp: Path, step: int, state: dict[str, Any], meta: dict) -> None:
     torch.save(state, tmp / STATE_FILE)
     _fsync(tmp / STATE_FILE)
+    if os.environ.get(SLOW_SAVE_ENV):  # tests: a save long enough to signal during it
+        time.sleep(float(os.environ[SLOW_SAVE_ENV]))
     manifest = {
         "format": FORMAT_VERSION,
         "step": step,
@@ -83,6 +88,24 @@ def _write_files(tmp: Path, step: int, state: dict[str, Any], meta: dict) -> Non
     (tmp / MANIFEST).write_text(json.dumps(manifest, indent=2))
     _fsync(tmp / MANIFEST)
     _fsync(tmp)
+
+
+def probe_write_s(directory: Path, state: dict[str, Any]) -> float:
+    """Seconds one checkpoint write of ``state`` takes in ``directory`` (written under a
+    temporary name as :func:`write_checkpoint` does, then removed). Not a collective."""
+    created = not directory.exists()
+    directory.mkdir(parents=True, exist_ok=True)
+    tmp = directory / f".tmp-probe-{os.getpid()}"
+    start = time.perf_counter()
+    try:
+        tmp.mkdir(exist_ok=True)
+        _write_files(tmp, 0, state, {})
+        return time.perf_counter() - start
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+        if created:
+            with contextlib.suppress(OSError):
+                directory.rmdir()  # leave no empty folder behind
 
 
 def read_manifest(folder: Path) -> dict:

@@ -289,7 +289,8 @@ class CheckpointManager:
         the ranks agree on (:meth:`ddpkit.Runtime.stop_requested`, asked here): save, then
         raise :class:`~ddpkit.TrainingStopped`.
 
-        Collective like :meth:`save`: call on every rank after every step.
+        Collective like :meth:`save`: call on every rank after every step (a call at step 0,
+        or at the step just resumed, saves nothing).
 
         Raises:
             TrainingStopped: every rank agreed to stop; ``step`` was saved first, unless nothing
@@ -298,14 +299,18 @@ class CheckpointManager:
         """
         if self.runtime.stop_requested():
             raise self._stopped(step)
-        if self.every_steps and step % self.every_steps == 0:
+        if self.every_steps and step % self.every_steps == 0 and self._is_new(step):
             return self.save(step)
         return None
+
+    def _is_new(self, step: int) -> bool:
+        """Whether ``step`` has been trained since the newest checkpoint this manager knows."""
+        return step > 0 and (self._newest is None or self._newest[0] != step)
 
     def _stopped(self, step: int) -> TrainingStopped:
         """Save ``step`` for the agreed stop (unless nothing was trained since the newest
         checkpoint); the exception to raise. Collective."""
-        fresh = step > 0 and (self._newest is None or self._newest[0] != step)
+        fresh = self._is_new(step)
         folder = self.save(step) if fresh else (self._newest[1] if self._newest else None)
         assert self.runtime.stop is not None and self.runtime.stop.agreed is not None
         return TrainingStopped(self.runtime.stop.agreed, step=step, checkpoint=folder, saved=fresh)
@@ -333,7 +338,7 @@ class CheckpointManager:
         stale = [p for p in folders if p not in complete and int(p.name[5:]) < newest]
         for old in complete[self.keep_last :] + stale:
             shutil.rmtree(old, ignore_errors=True)
-        for tmp in self.directory.glob(".tmp-step-*"):
+        for tmp in self.directory.glob(".tmp-*"):  # dead writers' saves and probes
             if not tmp.name.endswith(f"-{os.getpid()}"):
                 shutil.rmtree(tmp, ignore_errors=True)
 

@@ -12,8 +12,9 @@ save.
 
 Cost: the check is a blocking all-reduce of two int64 values, run every K calls. Rank 0 measures
 the check's time and the time between calls, and puts the next K into the check itself (so every
-rank has it), chosen so the checks cost at most ``CHECK_BUDGET`` (1 %) of the training time and
-no more than ``MAX_CHECK_GAP_S`` (1 s) of training passes between two checks. A peer that died
+rank has it), chosen so the checks cost at most ``CHECK_BUDGET`` (1 %) of the training time,
+with no more than ``MAX_CHECK_GAP_S`` (1 s) of training and ``MAX_CHECK_CALLS`` (20) calls
+between two checks. A peer that died
 fails the all-reduce at once (gloo's closed connection), as DDP's next all-reduce would have;
 the watchdog names a peer that hangs.
 
@@ -58,6 +59,7 @@ TORCHRUN_DEFAULT_GRACE_S = 30.0  # torchrun's --shutdown-timeout default (torch 
 DUPLICATE_WINDOW_S = 1.0
 CHECK_BUDGET = 0.01
 MAX_CHECK_GAP_S = 1.0
+MAX_CHECK_CALLS = 20
 
 
 def parse_stop_signals(text: str) -> tuple[signal.Signals, ...]:
@@ -130,6 +132,7 @@ class TrainingStopped(SystemExit):
         saved: ``checkpoint`` was written at ``step`` by this stop (``False``: nothing had
             been trained since it, or there is none).
         now: a second signal stopped the process where it was.
+        note: where in the program, set by whoever knows (``ddpkit train``: ``"(epoch 2/5)"``).
     """
 
     def __init__(
@@ -147,11 +150,13 @@ class TrainingStopped(SystemExit):
         self.checkpoint = checkpoint
         self.saved = saved
         self.now = now
+        self.note = ""
 
     def __str__(self) -> str:
         if self.now:
             return f"stopped now by a second {self.signal.name}"
         where = f"after step {self.step}" if self.step is not None else "before training"
+        where += f" {self.note}" if self.note else ""
         if self.saved:
             kept = f"saved checkpoint {self.checkpoint}"
         elif self.checkpoint is not None:
@@ -219,6 +224,12 @@ class StopRequest:
             return
         for sig, handler in previous.items():
             signal.signal(sig, handler if handler is not None else signal.SIG_DFL)
+
+    def clear(self) -> None:
+        """Forget the request and the agreement (to train on in this process after handling a
+        :class:`TrainingStopped`). Call on every rank, at the same point."""
+        self._cancel_timer()
+        self.received = self.agreed = None
 
     def _handle(self, signum: int, frame: Any) -> None:
         now = time.monotonic()
@@ -300,13 +311,14 @@ class StopRequest:
 
     def _next_interval(self, start: float) -> int:
         """Rank 0's K: checks at most ``CHECK_BUDGET`` of the time, at most ``MAX_CHECK_GAP_S``
-        apart (from the last check's time and the mean time between calls since)."""
+        and ``MAX_CHECK_CALLS`` apart (from the last check's time and the mean time between
+        calls since)."""
         if self._mark is None:
             return 1
         mark_time, mark_calls = self._mark
         per_call_s = max((start - mark_time) / max(self._calls - mark_calls, 1), 1e-9)
         wanted = math.ceil(self._check_s / (CHECK_BUDGET * per_call_s))
-        return max(1, min(wanted, int(MAX_CHECK_GAP_S / per_call_s)))
+        return max(1, min(wanted, int(MAX_CHECK_GAP_S / per_call_s), MAX_CHECK_CALLS))
 
     def _agree(self, signum: int) -> None:
         self.agreed = signal.Signals(signum)

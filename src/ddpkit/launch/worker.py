@@ -5,6 +5,9 @@
 
 It runs the target as ``__main__`` (as ``python script.py`` would), and:
 
+- after a stop signal (:class:`ddpkit.TrainingStopped`): writes a stop record for the launcher
+  and exits 0 (the launcher says where it stopped and exits 128 + the signal number), so
+  torchrun neither restarts the workers nor reports a failure;
 - when an exception escapes: writes a :class:`~ddpkit.diagnostics.failures.FailureRecord` (when
   ``DDPKIT_RUN_DIR`` is set), prints the traceback with a ``[rank r/N]`` prefix, exits 1
   (``KeyboardInterrupt``: recorded without a traceback, exit 130; the launcher says it once);
@@ -21,6 +24,7 @@ import atexit
 import faulthandler
 import os
 import runpy
+import signal
 import sys
 
 # Before the user's script can create a process group: applies the import-order fix in there.
@@ -31,7 +35,9 @@ from ddpkit.diagnostics.failures import (
     make_record,
     register_bootstrap_file,
     write_record,
+    write_stop_record,
 )
+from ddpkit.distributed.stop import TrainingStopped, default_stop_signals
 
 register_bootstrap_file(__file__)  # failure tracebacks start at the user's script
 
@@ -136,6 +142,11 @@ def run_target(argv: list[str]) -> int:
             sys.argv = [argv[0], *argv[1:]]
             sys.path.insert(0, os.path.dirname(script))
             runpy.run_path(script, run_name="__main__")
+    except TrainingStopped as exc:  # every rank stopped at one step: the launcher says it once
+        if os.environ.get(RUN_DIR_ENV):
+            write_stop_record(exc, os.environ[RUN_DIR_ENV])
+            return exc.code if exc.now else 0
+        return exc.code
     except SystemExit as exc:
         code = _exit_code(exc)
         if code != 0:
@@ -160,7 +171,6 @@ def die_with_launcher() -> None:
     if not sys.platform.startswith("linux") or not launcher_pid:
         return
     import ctypes
-    import signal
 
     pr_set_pdeathsig = 1  # from <linux/prctl.h>
     libc = ctypes.CDLL(None, use_errno=True)
@@ -186,7 +196,21 @@ def keep_stderr_tail() -> None:
         tee_stderr(tail_path(run_dir, restart, int(os.environ.get("RANK", 0))))
 
 
+def release_stop_signals(argv: list[str]) -> None:
+    """Unblock the stop signals ddpkit's launcher started this worker with, unless the target
+    is ``ddpkit train``, whose runtime unblocks them once it waits for them.
+
+    The launcher blocks them so that a signal reaching a rank while it starts (importing
+    torch, joining the rendezvous) stays pending instead of ending it. Any other script gets
+    the usual behaviour from its first line (``ddpkit.init_runtime`` installs the handlers
+    later).
+    """
+    if argv[:3] != ["-m", "ddpkit", "train"]:
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, default_stop_signals())
+
+
 def main() -> None:
+    release_stop_signals(sys.argv[1:])
     die_with_launcher()
     keep_stderr_tail()
     line_buffer_stdio()
