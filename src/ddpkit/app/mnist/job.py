@@ -287,20 +287,9 @@ def train_mnist(config: TrainConfig, runtime: Runtime, source: DataSource) -> di
     _log_setup(config, runtime, source.dataset, job)
     check_grace_period(job.ckpt, runtime)
     job.goodput = Goodput(output_dir, runtime, first_step)
-    try:
-        job.ckpt.maybe_save(first_step)  # a stop signal from now on waits for a step boundary
-        test, train_time_s, samples_total = _train_epochs(
-            config, runtime, job, train_step, monitor, kill_at
-        )
-    except TrainingStopped as stopped:  # the launcher's one line names where it stopped (#14)
-        stopped.note = _epoch_note(config, job, train_step)
-        job.goodput.finish("stopped", job.ckpt.save_s)
-        raise
-    except KeyboardInterrupt:  # Ctrl-C: the launcher's one line names where it stopped (#16)
-        note = _epoch_note(config, job, train_step)
-        raise KeyboardInterrupt(f"after step {train_step.num_steps} {note}") from None
-    finally:
-        monitor.close()
+    test, train_time_s, samples_total = _run_epochs(
+        config, runtime, job, train_step, monitor, kill_at
+    )
     if test is None:  # resumed from a checkpoint taken at the very end: evaluate it
         test = evaluate(job.model, job.test_loader, runtime)
     summary = {
@@ -326,6 +315,29 @@ def train_mnist(config: TrainConfig, runtime: Runtime, source: DataSource) -> di
         get_logger("train").info(goodput_line(summary["goodput"]))
     _write_outputs(output_dir, runtime, job.model, summary)
     return summary
+
+
+def _run_epochs(
+    config: TrainConfig,
+    runtime: Runtime,
+    job: MnistTraining,
+    train_step: TrainStep,
+    monitor: TrainingMonitor,
+    kill_at: int,
+) -> tuple[dict | None, float, float]:
+    """:func:`_train_epochs`, with a stop signal's step and epoch for the launcher's line."""
+    try:
+        job.ckpt.maybe_save(train_step.num_steps)  # a stop signal now waits for a step boundary
+        return _train_epochs(config, runtime, job, train_step, monitor, kill_at)
+    except TrainingStopped as stopped:  # the launcher's one line names where it stopped (#14)
+        stopped.note = _epoch_note(config, job, train_step)
+        job.goodput.finish("stopped", job.ckpt.save_s)
+        raise
+    except KeyboardInterrupt:  # Ctrl-C: the launcher's one line names where it stopped (#16)
+        note = _epoch_note(config, job, train_step)
+        raise KeyboardInterrupt(f"after step {train_step.num_steps} {note}") from None
+    finally:
+        monitor.close()
 
 
 def _epoch_note(config: TrainConfig, job: MnistTraining, train_step: TrainStep) -> str:
