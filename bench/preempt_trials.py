@@ -2,11 +2,13 @@
 
     python bench/preempt_trials.py --trials 100          # about 20 minutes on 2 busy cores
 
-One uninterrupted reference run first (2 ranks, digits, ``--epochs 20``: 240 steps); then each
-trial starts the same job, waits a random time (uniform over 90 % of the reference's wall
-time: some land in start-up, most in training, some in an evaluation), sends a random stop signal
-(SIGTERM, SIGUSR1, SIGINT) to a random target: the launcher, one rank, or every process of the
-job (as Slurm signals a job step). It checks:
+One uninterrupted reference run first (2 ranks, digits, ``--epochs 10``: 120 steps); then each
+trial starts the same job and waits a random time: in one trial of four uniform over the
+reference's start-up (launch to its first step record: importing torch, the rendezvous, the
+data), else from the trial's own first step record uniform over 90 % of the reference's training
+time (steps, checkpoint writes, evaluations). Then it sends a random stop signal (SIGTERM, SIGUSR1,
+SIGINT) to a random target: the launcher, one rank, or every process of the job (as Slurm
+signals a job step). It checks:
 
 - no deadlock: the job ends within ``--deadline`` seconds of the signal;
 - no SIGKILL escalation: every rank stopped by itself within the grace period (the stop line
@@ -39,8 +41,11 @@ import torch
 
 from ddpkit.checkpoint.io import list_checkpoints, load_checkpoint
 
-JOB = ["-m", "ddpkit", "train", "--dataset", "digits", "--nproc", "2", "--epochs", "20",
-       "--checkpoint-every", "50", "--progress", "off", "--tensorboard", "off"]  # fmt: skip
+EPOCHS, STEPS_PER_EPOCH = 10, 12
+JOB = ["-m", "ddpkit", "train", "--dataset", "digits", "--nproc", "2", "--epochs", str(EPOCHS),
+       "--checkpoint-every", "50", "--log-every", "1", "--progress", "off",
+       "--tensorboard", "off"]  # fmt: skip
+TOTAL_STEPS = EPOCHS * STEPS_PER_EPOCH
 SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
 TARGETS = ("launcher", "one rank", "every process")
 LINE = re.compile(r"after step (\d+) .*?(?:; saved: checkpoint (step-\d+) in (\S+))?"
@@ -104,13 +109,22 @@ def _signal(proc: subprocess.Popen, target: str, sig: signal.Signals, rng: rando
     return "launcher" if pids == [proc.pid] else target
 
 
-def _stopped_run(workdir: Path, delay_s: float, target: str, sig: signal.Signals, rng, deadline):
+def _wait_first_step(proc: subprocess.Popen, out: Path) -> None:
+    steps = out / "steps.jsonl"
+    while proc.poll() is None and not (steps.exists() and steps.stat().st_size):
+        time.sleep(0.01)
+
+
+def _stopped_run(workdir: Path, delay: tuple, target: str, sig: signal.Signals, rng, deadline):
     out = workdir / "run"
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     proc = subprocess.Popen(
         [sys.executable, *JOB, "--output-dir", str(out)], stdout=subprocess.PIPE,
         stderr=subprocess.PIPE, text=True, env=env, start_new_session=True,
     )  # fmt: skip
+    phase, delay_s = delay
+    if phase == "training":
+        _wait_first_step(proc, out)
     time.sleep(delay_s)
     tree = _tree(proc.pid)
     finished = proc.poll() is not None
@@ -129,11 +143,15 @@ def _stopped_run(workdir: Path, delay_s: float, target: str, sig: signal.Signals
             "exit_s": exit_s, "errors": errors, "orphans": orphans, "out": out}  # fmt: skip
 
 
-def trial(rng: random.Random, workdir: Path, reference: dict, wall_s: float, deadline: float):
+def trial(rng: random.Random, workdir: Path, reference: dict, phases: tuple, deadline: float):
     target, sig = rng.choice(TARGETS), rng.choice(SIGNALS)
-    delay_s = rng.uniform(0.2, 0.9 * wall_s)
-    got = _stopped_run(workdir, delay_s, target, sig, rng, deadline)
-    row = {"target": got["hit"], "signal": sig.name, "delay_s": delay_s, "exit_s": got["exit_s"]}
+    startup_s, training_s = phases
+    start_up = rng.random() < 0.25
+    delay = ("start-up", rng.uniform(0, startup_s)) if start_up else (
+        "training", rng.uniform(0, 0.9 * training_s))  # fmt: skip
+    got = _stopped_run(workdir, delay, target, sig, rng, deadline)
+    row = {"target": got["hit"], "signal": sig.name, "phase": delay[0], "delay_s": delay[1],
+           "exit_s": got["exit_s"]}  # fmt: skip
     problems = []
     if got["deadlock"]:
         return {**row, "problems": ["deadlock"], "step": None}
@@ -154,7 +172,7 @@ def _check_line(got: dict, sig: signal.Signals, last: str, problems: list) -> tu
     if got["finished"]:  # the job ended before the signal: nothing to resume
         if got["code"] != 0:
             problems.append(f"exit {got['code']}")
-        return 60 * 4, None
+        return TOTAL_STEPS, None
     if got["code"] == -sig and not last:  # the launcher had not started (importing torch):
         return 0, None  # the signal's usual effect ended it; nothing ran, a rerun starts fresh
     if got["code"] != 128 + sig:
@@ -185,7 +203,7 @@ def _check_line(got: dict, sig: signal.Signals, last: str, problems: list) -> tu
 def _check_resume(out: Path, step: int, resume: str | None, reference: dict, problems: list):
     argv = shlex.split(resume)[1:] if resume else JOB[2:]
     argv = [a for i, a in enumerate(argv) if a != "--output-dir" and argv[i - 1] != "--output-dir"]
-    if step >= 240:  # finished before the signal: compare its own model
+    if step >= TOTAL_STEPS:  # finished before the signal: compare its own model
         result = None
     else:
         result = _run(["-m", "ddpkit", *argv], out)
@@ -197,6 +215,22 @@ def _check_resume(out: Path, step: int, resume: str | None, reference: dict, pro
     model = torch.load(out / "model.pt", weights_only=True)
     if not all(torch.equal(reference[k], model[k]) for k in reference):
         problems.append("final model differs from the uninterrupted run")
+
+
+def _reference(out: Path) -> tuple[dict, tuple[float, float]]:
+    """The uninterrupted run's model, and its (start-up, training) seconds."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    start = time.monotonic()
+    proc = subprocess.Popen(
+        [sys.executable, *JOB, "--output-dir", str(out)], stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE, text=True, env=env,
+    )  # fmt: skip
+    _wait_first_step(proc, out)
+    first = time.monotonic()
+    _, errors = proc.communicate(timeout=600)
+    assert proc.returncode == 0, errors
+    phases = (first - start, time.monotonic() - first)
+    return torch.load(out / "model.pt", weights_only=True), phases
 
 
 def _table(rows: list[dict]) -> None:
@@ -220,21 +254,17 @@ def main() -> int:
     args = parser.parse_args()
     rng = random.Random(args.seed)
     with tempfile.TemporaryDirectory(prefix="ddpkit-preempt-") as tmp:
-        start = time.monotonic()
-        ref = _run(JOB, Path(tmp) / "ref")
-        wall_s = time.monotonic() - start
-        assert ref.returncode == 0, ref.stderr
-        reference = torch.load(Path(tmp) / "ref" / "model.pt", weights_only=True)
-        print(f"reference run: {wall_s:.1f} s; signals uniform in [0.2, {0.9 * wall_s:.1f}] s")
+        reference, phases = _reference(Path(tmp) / "ref")
+        print(f"reference run: start-up {phases[0]:.1f} s, training {phases[1]:.1f} s")
         rows = []
         for number in range(args.trials):
             workdir = Path(tmp) / f"trial-{number}"
-            row = trial(rng, workdir, reference, wall_s, args.deadline)
+            row = trial(rng, workdir, reference, phases, args.deadline)
             rows.append(row)
             status = "ok" if not row["problems"] else "FAIL " + "; ".join(row["problems"])
-            print(f"trial {number:3d}: {row['signal']:<7} to {row['target']:<15} at "
-                  f"{row['delay_s']:5.1f} s, stopped after step {row['step']}, exit "
-                  f"{row['exit_s']:.2f} s later: {status}", flush=True)  # fmt: skip
+            print(f"trial {number:3d}: {row['signal']:<7} to {row['target']:<15} in "
+                  f"{row['phase']} +{row['delay_s']:4.1f} s, stopped after step {row['step']}, "
+                  f"exit {row['exit_s']:.2f} s later: {status}", flush=True)  # fmt: skip
     _table(rows)
     signalled = [r["exit_s"] for r in rows if not r["target"].startswith("none")]
     failed = [r for r in rows if r["problems"]]
