@@ -3,12 +3,12 @@
     python bench/preempt_trials.py --trials 100          # about 20 minutes on 2 busy cores
 
 One uninterrupted reference run first (2 ranks, digits, ``--epochs 10``: 120 steps); then each
-trial starts the same job and waits a random time: in one trial of four uniform over the
-reference's start-up (launch to its first step record: importing torch, the rendezvous, the
-data), else from the trial's own first step record uniform over 90 % of the reference's training
-time (steps, checkpoint writes, evaluations). Then it sends a random stop signal (SIGTERM, SIGUSR1,
-SIGINT) to a random target: the launcher, one rank, or every process of the job (as Slurm
-signals a job step). It checks:
+trial starts the same job and picks a random moment: in one trial of four a time uniform over
+the reference's start-up (launch to its first step record: importing torch, the rendezvous,
+the data); else a step uniform in 1..115, and once its record is written, a further 0-30 ms
+(so some land in a checkpoint write or an evaluation). Then it sends a random stop signal
+(SIGTERM, SIGUSR1, SIGINT) to a random target: the launcher, one rank, or every process of the
+job (as Slurm signals a job step). It checks:
 
 - no deadlock: the job ends within ``--deadline`` seconds of the signal;
 - no SIGKILL escalation: every rank stopped by itself within the grace period (the stop line
@@ -24,6 +24,7 @@ Prints one line per trial, a table by target, and the signal-to-exit median and 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import random
 import re
@@ -115,6 +116,16 @@ def _wait_first_step(proc: subprocess.Popen, out: Path) -> None:
         time.sleep(0.01)
 
 
+def _wait_step(proc: subprocess.Popen, out: Path, step: int) -> None:
+    """Until the record of ``step`` (or a later one) is in steps.jsonl, or the job ended."""
+    steps = out / "steps.jsonl"
+    while proc.poll() is None:
+        lines = steps.read_text().splitlines() if steps.exists() else []
+        if lines and lines[-1].endswith("}") and json.loads(lines[-1])["step"] >= step:
+            return
+        time.sleep(0.005)
+
+
 def _stopped_run(workdir: Path, delay: tuple, target: str, sig: signal.Signals, rng, deadline):
     out = workdir / "run"
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
@@ -122,10 +133,12 @@ def _stopped_run(workdir: Path, delay: tuple, target: str, sig: signal.Signals, 
         [sys.executable, *JOB, "--output-dir", str(out)], stdout=subprocess.PIPE,
         stderr=subprocess.PIPE, text=True, env=env, start_new_session=True,
     )  # fmt: skip
-    phase, delay_s = delay
+    phase, value = delay
     if phase == "training":
-        _wait_first_step(proc, out)
-    time.sleep(delay_s)
+        _wait_step(proc, out, value)
+        time.sleep(rng.uniform(0, 0.03))
+    else:
+        time.sleep(value)
     tree = _tree(proc.pid)
     finished = proc.poll() is not None
     sent_at = time.monotonic()
@@ -148,7 +161,7 @@ def trial(rng: random.Random, workdir: Path, reference: dict, phases: tuple, dea
     startup_s, training_s = phases
     start_up = rng.random() < 0.25
     delay = ("start-up", rng.uniform(0, startup_s)) if start_up else (
-        "training", rng.uniform(0, 0.9 * training_s))  # fmt: skip
+        "training", rng.randint(1, TOTAL_STEPS - 5))  # fmt: skip
     got = _stopped_run(workdir, delay, target, sig, rng, deadline)
     row = {"target": got["hit"], "signal": sig.name, "phase": delay[0], "delay_s": delay[1],
            "exit_s": got["exit_s"]}  # fmt: skip
@@ -255,16 +268,18 @@ def main() -> int:
     rng = random.Random(args.seed)
     with tempfile.TemporaryDirectory(prefix="ddpkit-preempt-") as tmp:
         reference, phases = _reference(Path(tmp) / "ref")
-        print(f"reference run: start-up {phases[0]:.1f} s, training {phases[1]:.1f} s")
+        print(f"reference run: start-up {phases[0]:.1f} s, then {phases[1]:.1f} s to the end")
         rows = []
         for number in range(args.trials):
             workdir = Path(tmp) / f"trial-{number}"
             row = trial(rng, workdir, reference, phases, args.deadline)
             rows.append(row)
             status = "ok" if not row["problems"] else "FAIL " + "; ".join(row["problems"])
-            print(f"trial {number:3d}: {row['signal']:<7} to {row['target']:<15} in "
-                  f"{row['phase']} +{row['delay_s']:4.1f} s, stopped after step {row['step']}, "
-                  f"exit {row['exit_s']:.2f} s later: {status}", flush=True)  # fmt: skip
+            when = (f"start-up +{row['delay_s']:.1f} s" if row["phase"] == "start-up"
+                    else f"step {row['delay_s']:3d}")  # fmt: skip
+            print(f"trial {number:3d}: {row['signal']:<7} to {row['target']:<15} at {when}, "
+                  f"stopped after step {row['step']}, exit {row['exit_s']:.2f} s later: "
+                  f"{status}", flush=True)  # fmt: skip
     _table(rows)
     signalled = [r["exit_s"] for r in rows if not r["target"].startswith("none")]
     failed = [r for r in rows if r["problems"]]
