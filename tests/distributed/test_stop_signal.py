@@ -55,9 +55,15 @@ def _train(rt, directory: str, signalled_rank: int | None, sig: int) -> dict:
                     break
     except ddpkit.TrainingStopped as stopped:
         load_checkpoint(stopped.checkpoint)  # complete: its checksum verifies (else DataError)
-        return {"leftovers": [p.name for p in Path(directory).glob(".tmp-*")],"stopped_at": stopped.step, "saved": stopped.saved, "code": stopped.code,
-                "signal": int(stopped.signal), "first": first,
-                "checkpoint": str(stopped.checkpoint)}  # fmt: skip
+        return {
+            "leftovers": [p.name for p in Path(directory).glob(".tmp-*")],
+            "stopped_at": stopped.step,
+            "saved": stopped.saved,
+            "code": stopped.code,
+            "signal": int(stopped.signal),
+            "first": first,
+            "checkpoint": str(stopped.checkpoint),
+        }
     params = {k: v.clone() for k, v in ddpkit.model_state_dict(model).items()}
     return {"params": params, "first": first}
 

@@ -32,6 +32,7 @@ def request_usr1():
     request = StopRequest((signal.SIGUSR1, signal.SIGUSR2))
     assert request.install()
     yield request
+    request.clear()
     request.restore()
     assert {s: signal.getsignal(s) for s in before} == before
 
@@ -106,13 +107,43 @@ def test_one_process_agrees_at_once_and_repeats_are_the_same_request(request_usr
     assert runtime.stop_requested() is True  # stays agreed
 
 
-def test_a_second_signal_means_stop_now_and_then_the_handlers_are_restored(request_usr1):
-    request_usr1.arm()
-    _deliver(signal.SIGUSR1)
-    with pytest.raises(TrainingStopped) as stopped:
-        _deliver(signal.SIGUSR2)  # another stop signal: at once
-    assert stopped.value.now and stopped.value.signal == signal.SIGUSR2
-    assert signal.getsignal(signal.SIGUSR1) is not request_usr1._handle
+def test_a_second_signal_means_stop_now_and_a_third_has_its_usual_effect():
+    calls = []
+    signal.signal(signal.SIGUSR2, lambda s, f: calls.append(s))  # what was there before
+    request = StopRequest((signal.SIGUSR1, signal.SIGUSR2))
+    try:
+        assert request.install()
+        request.arm()
+        _deliver(signal.SIGUSR1)
+        with pytest.raises(TrainingStopped) as stopped:
+            _deliver(signal.SIGUSR2)  # another stop signal: at once
+        assert stopped.value.now and stopped.value.signal == signal.SIGUSR2
+        _deliver(signal.SIGUSR2)
+        assert calls == [signal.SIGUSR2]  # the handler that was there before ran
+    finally:
+        request.clear()
+        request.restore()
+        signal.signal(signal.SIGUSR2, signal.SIG_DFL)
+
+
+def test_after_a_stop_the_closed_runtime_still_swallows_the_duplicate():
+    calls = []
+    signal.signal(signal.SIGUSR1, lambda s, f: calls.append(s))  # what was there before
+    request = StopRequest((signal.SIGUSR1,))
+    try:
+        assert request.install()
+        request.arm()
+        _deliver(signal.SIGUSR1)
+        request.restore()  # the runtime closes after the stop
+        _deliver(signal.SIGUSR1)  # torchrun's late copy: the process must not end from it
+        assert calls == []
+        time.sleep(stop_module.DUPLICATE_WINDOW_S)
+        _deliver(signal.SIGUSR1)  # later: the signal's usual effect
+        assert calls == [signal.SIGUSR1]
+    finally:
+        request.clear()
+        request.restore()
+        signal.signal(signal.SIGUSR1, signal.SIG_DFL)
 
 
 def test_the_same_signal_after_the_window_is_stop_now(request_usr1, monkeypatch):

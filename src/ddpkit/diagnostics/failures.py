@@ -224,3 +224,18 @@ def read_stop_records(run_dir: str | os.PathLike[str]) -> list[StopRecord]:
             continue
     newest = max((r.restart for r in records), default=0)
     return sorted((r for r in records if r.restart == newest), key=lambda r: r.rank)
+
+
+def write_done_record(run_dir: str | os.PathLike[str]) -> Path:
+    """Mark that this worker's script ran to its end (exit 0), for the launcher."""
+    restart, rank = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"), os.environ.get("RANK", "0")
+    path = Path(run_dir) / f"done-r{restart}-rank{rank}"
+    path.touch()
+    return path
+
+
+def count_done_records(run_dir: str | os.PathLike[str]) -> int:
+    """How many workers of the newest attempt that has any ran their script to its end."""
+    restarts = [int(p.name.split("-")[1][1:]) for p in Path(run_dir).glob("done-r*-rank*")]
+    newest = max(restarts, default=0)
+    return len(list(Path(run_dir).glob(f"done-r{newest}-rank*")))

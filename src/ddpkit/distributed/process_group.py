@@ -31,7 +31,12 @@ import torch.distributed as dist
 if dist.is_available():
     import torch.distributed.nn.functional  # noqa: F401  (see above)
 
-from ddpkit.diagnostics.failures import RUN_DIR_ENV, record_failure, stamp_failure_time
+from ddpkit.diagnostics.failures import (
+    RUN_DIR_ENV,
+    record_failure,
+    stamp_failure_time,
+    write_stop_record,
+)
 from ddpkit.distributed.env import ProcessInfo, detect_process_info
 from ddpkit.distributed.rendezvous import (
     check_local_route,
@@ -267,6 +272,17 @@ class Runtime:
             stamp_failure_time(exc)
             add_hint_note(exc)  # the fix under the traceback, under torchrun too
         self.close()
+
+
+def _report_stop(stopped: TrainingStopped, runtime: Runtime) -> None:
+    """Under ``ddpkit run``: the stop record for the launcher's line, written now, before the
+    teardown (a late signal may end the process after it); else rank 0 says it."""
+    if os.environ.get(RUN_DIR_ENV):
+        write_stop_record(stopped, os.environ[RUN_DIR_ENV])
+        stopped.recorded = True
+    elif runtime.is_rank_zero:
+        end = "the newest complete checkpoint stands" if stopped.now else "rerun to resume"
+        print(f"ddpkit: {stopped}; {end}.", file=sys.stderr, flush=True)
 
 
 _NULL_CONTEXT = contextlib.nullcontext()

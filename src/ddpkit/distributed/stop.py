@@ -151,6 +151,7 @@ class TrainingStopped(SystemExit):
         self.saved = saved
         self.now = now
         self.note = ""
+        self.recorded = False  # the stop record for ddpkit's launcher is written
 
     def __str__(self) -> str:
         if self.now:
@@ -198,6 +199,7 @@ class StopRequest:
         self._next_check = 1
         self._mark: tuple[float, int] | None = None  # (time, calls) at the end of the last check
         self._check_s = 0.0
+        self._closed = False
 
     def install(self) -> bool:
         """Install the handlers (main thread only; elsewhere nothing changes). Returns whether
@@ -217,8 +219,16 @@ class StopRequest:
         signal.pthread_sigmask(signal.SIG_UNBLOCK, self.signals)  # pending ones arrive here
 
     def restore(self) -> None:
-        """Put back the handlers that were there before :meth:`install` (idempotent)."""
+        """Put back the handlers that were there before :meth:`install` (idempotent).
+
+        After a stop request the handler stays until the process ends, but only to swallow a
+        repeat of the first signal within ``DUPLICATE_WINDOW_S`` (torchrun's copy may come after
+        the rank has already stopped); any other signal then has its usual effect.
+        """
         self._cancel_timer()
+        if self.received is not None:
+            self._closed = True
+            return
         previous, self._previous = self._previous, {}
         if threading.current_thread() is not threading.main_thread():
             return
@@ -230,9 +240,15 @@ class StopRequest:
         :class:`TrainingStopped`). Call on every rank, at the same point."""
         self._cancel_timer()
         self.received = self.agreed = None
+        self._closed = False
 
     def _handle(self, signum: int, frame: Any) -> None:
         now = time.monotonic()
+        duplicate = signum == self.received and now - self.received_at < DUPLICATE_WINDOW_S
+        if self._closed:  # the runtime closed after a stop: the process is ending
+            if not duplicate:
+                self._usual_effect(signum, frame)
+            return
         if self.received is None:
             if not self.armed:  # nobody asks yet: the signal's usual effect
                 self._usual_effect(signum, frame)
@@ -242,9 +258,9 @@ class StopRequest:
             self._timer.daemon = True
             self._timer.start()
             return
-        if signum == self.received and now - self.received_at < DUPLICATE_WINDOW_S:
+        if duplicate:
             return  # the same request delivered twice (to the group, and passed on by torchrun)
-        self.restore()  # a third signal has its usual effect
+        self._closed = True  # a third signal has its usual effect
         raise TrainingStopped(signum, now=True)
 
     def _usual_effect(self, signum: int, frame: Any) -> None:

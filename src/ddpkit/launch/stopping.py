@@ -24,7 +24,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from ddpkit.diagnostics.failures import StopRecord, read_stop_records
+from ddpkit.diagnostics.failures import StopRecord, count_done_records, read_stop_records
 
 if TYPE_CHECKING:
     from ddpkit.launch.launcher import LaunchSpec
@@ -95,6 +95,9 @@ def _kept(records: list[StopRecord], spec: LaunchSpec, clean: bool) -> str:
 def stop_line(spec: LaunchSpec, run_dir: str, received: signal.Signals | None) -> tuple[str, int]:
     """The launcher's last line after a stop signal, and its exit status (128 + the signal).
 
+    A signal that arrived after the ranks' last stop check finds the job completing: the line
+    says so and the status is 0.
+
     Args:
         spec: the launch.
         run_dir: the run folder the workers wrote their stop records to.
@@ -103,6 +106,12 @@ def stop_line(spec: LaunchSpec, run_dir: str, received: signal.Signals | None) -
     """
     records = read_stop_records(run_dir)
     sig = received or signal.Signals[records[0].signal]
+    if not records and count_done_records(run_dir) >= spec.nproc:
+        return (
+            f"{spec.command}: {sig.name} arrived as the job was finishing: it completed (all "
+            f"{spec.world_size} processes ran to their end).",
+            0,
+        )
     where, clean = _where(records, spec)
     label = "interrupted (Ctrl-C)" if sig == signal.SIGINT else f"stopped by {sig.name}"
     line = (

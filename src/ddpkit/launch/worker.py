@@ -34,6 +34,7 @@ from ddpkit.diagnostics.failures import (
     RUN_DIR_ENV,
     make_record,
     register_bootstrap_file,
+    write_done_record,
     write_record,
     write_stop_record,
 )
@@ -143,10 +144,11 @@ def run_target(argv: list[str]) -> int:
             sys.path.insert(0, os.path.dirname(script))
             runpy.run_path(script, run_name="__main__")
     except TrainingStopped as exc:  # every rank stopped at one step: the launcher says it once
-        if os.environ.get(RUN_DIR_ENV):
+        if not os.environ.get(RUN_DIR_ENV):
+            return exc.code
+        if not exc.recorded:  # raised outside the runtime's with block
             write_stop_record(exc, os.environ[RUN_DIR_ENV])
-            return exc.code if exc.now else 0
-        return exc.code
+        return exc.code if exc.now else 0
     except SystemExit as exc:
         code = _exit_code(exc)
         if code != 0:
@@ -158,6 +160,8 @@ def run_target(argv: list[str]) -> int:
     except BaseException as exc:  # noqa: BLE001 - every escape is recorded
         _record_failure(exc, show_traceback=True)
         return 1
+    if os.environ.get(RUN_DIR_ENV):  # a stop signal that came too late finds the job completed
+        write_done_record(os.environ[RUN_DIR_ENV])
     return 0
 
 
