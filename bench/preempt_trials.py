@@ -175,16 +175,18 @@ def trial(rng: random.Random, workdir: Path, reference: dict, phases: tuple, dea
     if got["orphans"]:
         problems.append(f"orphans {got['orphans']}")
     step, resume = _check_line(got, sig, last, problems)
-    row["step"] = step
+    row["step"], row["target"] = step, got["hit"]
     if not problems:
         _check_resume(got["out"], step, resume, reference, problems)
     return {**row, "problems": problems}
 
 
 def _check_line(got: dict, sig: signal.Signals, last: str, problems: list) -> tuple:
-    if got["finished"]:  # the job ended before the signal: nothing to resume
+    completed = got["code"] == 0 and (got["out"] / "summary.json").is_file()
+    if got["finished"] or completed:  # it ended before the signal, or before a step answered
         if got["code"] != 0:
             problems.append(f"exit {got['code']}")
+        got["hit"] += "" if got["finished"] else " (completed)"
         return TOTAL_STEPS, None
     if got["code"] == -sig and not last:  # the launcher had not started (importing torch):
         return 0, None  # the signal's usual effect ended it; nothing ran, a rerun starts fresh

@@ -135,25 +135,14 @@ def run_target(argv: list[str]) -> int:
         )
         return 2
     try:
-        if argv[0] == "-m":
-            sys.argv = [argv[1], *argv[2:]]
-            runpy.run_module(argv[1], run_name="__main__", alter_sys=True)
-        else:
-            script = os.path.abspath(argv[0])
-            sys.argv = [argv[0], *argv[1:]]
-            sys.path.insert(0, os.path.dirname(script))
-            runpy.run_path(script, run_name="__main__")
+        _run_as_main(argv)
     except TrainingStopped as exc:  # every rank stopped at one step: the launcher says it once
-        if not os.environ.get(RUN_DIR_ENV):
-            return exc.code
-        if not exc.recorded:  # raised outside the runtime's with block
-            write_stop_record(exc, os.environ[RUN_DIR_ENV])
-        return exc.code if exc.now else 0
+        return _stopped(exc)
     except SystemExit as exc:
         code = _exit_code(exc)
         if code != 0:
             _record_failure(exc, show_traceback=False)
-        return code
+            return code
     except KeyboardInterrupt as exc:  # Ctrl-C: recorded; the launcher prints one line per job
         _record_failure(exc, show_traceback=False)
         return 130
@@ -163,6 +152,27 @@ def run_target(argv: list[str]) -> int:
     if os.environ.get(RUN_DIR_ENV):  # a stop signal that came too late finds the job completed
         write_done_record(os.environ[RUN_DIR_ENV])
     return 0
+
+
+def _run_as_main(argv: list[str]) -> None:
+    if argv[0] == "-m":
+        sys.argv = [argv[1], *argv[2:]]
+        runpy.run_module(argv[1], run_name="__main__", alter_sys=True)
+    else:
+        script = os.path.abspath(argv[0])
+        sys.argv = [argv[0], *argv[1:]]
+        sys.path.insert(0, os.path.dirname(script))
+        runpy.run_path(script, run_name="__main__")
+
+
+def _stopped(exc: TrainingStopped) -> int:
+    """Under ``ddpkit run``: the stop record (unless the runtime wrote it), and exit 0 after a
+    clean stop; elsewhere 128 + the signal."""
+    if not os.environ.get(RUN_DIR_ENV):
+        return exc.code
+    if not exc.recorded:  # raised outside the runtime's with block
+        write_stop_record(exc, os.environ[RUN_DIR_ENV])
+    return exc.code if exc.now else 0
 
 
 def die_with_launcher() -> None:
