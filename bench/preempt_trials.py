@@ -267,6 +267,9 @@ def main() -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--deadline", type=float, default=90.0, help="seconds: a deadlock")
     args = parser.parse_args()
+    # A shell's background job ignores SIGINT, and so would every job started from it: give the
+    # jobs a terminal's Ctrl-C (a Python handler here becomes the default in the children).
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     rng = random.Random(args.seed)
     with tempfile.TemporaryDirectory(prefix="ddpkit-preempt-") as tmp:
         reference, phases = _reference(Path(tmp) / "ref")

@@ -152,15 +152,19 @@ def record_failure(exc: BaseException) -> None:
         write_record(make_record(exc), os.environ[RUN_DIR_ENV])
 
 
-def read_records(run_dir: str | os.PathLike[str]) -> list[FailureRecord]:
-    """All complete records in ``run_dir``, oldest first (the first failure leads)."""
+def _read(run_dir: str | os.PathLike[str], pattern: str, kind: type) -> list[Any]:
     records = []
-    for path in Path(run_dir).glob("failure-*.json"):
+    for path in Path(run_dir).glob(pattern):
         try:
-            records.append(FailureRecord(**json.loads(path.read_text())))
+            records.append(kind(**json.loads(path.read_text())))
         except (OSError, ValueError, TypeError):
             continue  # a worker killed while writing leaves only its .tmp file; skip stragglers
-    return sorted(records, key=lambda r: r.time_s)
+    return records
+
+
+def read_records(run_dir: str | os.PathLike[str]) -> list[FailureRecord]:
+    """All complete records in ``run_dir``, oldest first (the first failure leads)."""
+    return sorted(_read(run_dir, "failure-*.json", FailureRecord), key=lambda r: r.time_s)
 
 
 @dataclass(frozen=True)
@@ -216,12 +220,7 @@ def write_stop_record(stopped: Any, run_dir: str | os.PathLike[str]) -> Path:
 
 def read_stop_records(run_dir: str | os.PathLike[str]) -> list[StopRecord]:
     """The stop records of the newest attempt that has any, by rank."""
-    records = []
-    for path in Path(run_dir).glob("stop-*.json"):
-        try:
-            records.append(StopRecord(**json.loads(path.read_text())))
-        except (OSError, ValueError, TypeError):
-            continue
+    records = _read(run_dir, "stop-*.json", StopRecord)
     newest = max((r.restart for r in records), default=0)
     return sorted((r for r in records if r.restart == newest), key=lambda r: r.rank)
 

@@ -8,10 +8,12 @@ Run it (the launcher starts the ranks; this module is what each rank executes)::
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import signal
 import time
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -287,9 +289,11 @@ def train_mnist(config: TrainConfig, runtime: Runtime, source: DataSource) -> di
     _log_setup(config, runtime, source.dataset, job)
     check_grace_period(job.ckpt, runtime)
     job.goodput = Goodput(output_dir, runtime, first_step)
-    test, train_time_s, samples_total = _run_epochs(
-        config, runtime, job, train_step, monitor, kill_at
-    )
+    with _where_it_stopped(config, job, train_step, monitor):
+        job.ckpt.maybe_save(first_step)  # a stop signal now waits for a step boundary
+        test, train_time_s, samples_total = _train_epochs(
+            config, runtime, job, train_step, monitor, kill_at
+        )
     if test is None:  # resumed from a checkpoint taken at the very end: evaluate it
         test = evaluate(job.model, job.test_loader, runtime)
     summary = {
@@ -317,23 +321,18 @@ def train_mnist(config: TrainConfig, runtime: Runtime, source: DataSource) -> di
     return summary
 
 
-def _run_epochs(
-    config: TrainConfig,
-    runtime: Runtime,
-    job: MnistTraining,
-    train_step: TrainStep,
-    monitor: TrainingMonitor,
-    kill_at: int,
-) -> tuple[dict | None, float, float]:
-    """:func:`_train_epochs`, with a stop signal's step and epoch for the launcher's line."""
+@contextlib.contextmanager
+def _where_it_stopped(
+    config: TrainConfig, job: MnistTraining, train_step: TrainStep, monitor: TrainingMonitor
+) -> Iterator[None]:
+    """A stop signal's (#14) or Ctrl-C's (#16) step and epoch, for the launcher's one line."""
     try:
-        job.ckpt.maybe_save(train_step.num_steps)  # a stop signal now waits for a step boundary
-        return _train_epochs(config, runtime, job, train_step, monitor, kill_at)
-    except TrainingStopped as stopped:  # the launcher's one line names where it stopped (#14)
+        yield
+    except TrainingStopped as stopped:
         stopped.note = _epoch_note(config, job, train_step)
         job.goodput.finish("stopped", job.ckpt.save_s)
         raise
-    except KeyboardInterrupt:  # Ctrl-C: the launcher's one line names where it stopped (#16)
+    except KeyboardInterrupt:
         note = _epoch_note(config, job, train_step)
         raise KeyboardInterrupt(f"after step {train_step.num_steps} {note}") from None
     finally:
