@@ -188,8 +188,11 @@ def _check_line(got: dict, sig: signal.Signals, last: str, problems: list) -> tu
             problems.append(f"exit {got['code']}")
         got["hit"] += "" if got["finished"] else " (completed)"
         return TOTAL_STEPS, None
-    if got["code"] == -sig and not last:  # the launcher had not started (importing torch):
-        return 0, None  # the signal's usual effect ended it; nothing ran, a rerun starts fresh
+    if got["code"] == -sig and not (got["out"] / "checkpoints").exists():
+        # the launcher was still importing torch: the signal's usual effect (Python's Ctrl-C
+        # traceback, or death by the signal: 128 + N to a shell); no rank had started
+        got["hit"] += " (launcher start-up)"
+        return 0, None
     if got["code"] != 128 + sig:
         problems.append(f"exit {got['code']} (expected {128 + sig}): {last}")
     found = LINE.search(last)
