@@ -178,6 +178,7 @@ def test_maybe_save_saves_the_agreed_step_then_raises(tmp_path, request_usr1):
     runtime = ddpkit.Runtime(ProcessInfo(), stop=request_usr1)
     ckpt = ddpkit.CheckpointManager(tmp_path, runtime, state=_state(), every_steps=4)
     assert ckpt.maybe_save(1) is None
+    request_usr1.arm()  # maybe_save armed it already; explicit, so a regression fails, not kills
     _deliver(signal.SIGUSR1)
     with pytest.raises(TrainingStopped) as stopped:
         ckpt.maybe_save(3)
