@@ -88,6 +88,7 @@ def test_before_the_program_asks_a_signal_has_its_usual_effect():
 
 
 def test_ctrl_c_before_the_program_asks_raises_keyboard_interrupt():
+    signal.signal(signal.SIGINT, signal.default_int_handler)  # Python's, as in a terminal
     request = StopRequest((signal.SIGINT,))
     assert request.install()
     try:

@@ -103,6 +103,9 @@ class Goodput:
     def finish(self, end: str, checkpoint_s: float) -> dict[str, Any]:
         """Close this attempt (``end``: ``"completed"`` or ``"stopped"``); the run's split over
         every attempt (rank 0; ``{}`` elsewhere)."""
+        if self._last is not None:  # since the last step: its checkpoint write (a stop's)
+            self.record["loop_s"] += time.perf_counter() - self._last
+            self._last = None
         self.record.update(end=end, checkpoint_s=checkpoint_s)
         self._write()
         if self._fd is not None:

@@ -419,8 +419,8 @@ def _train_one_epoch(
         if config.check_replicas_every and step % config.check_replicas_every == 0:
             if averager is None or averager.just_averaged:  # local SGD: equal only then
                 check_replicas(model, runtime, step=step)
+        job.goodput.on_step(step, job.ckpt.save_s)  # the step is trained: record it first
         job.ckpt.maybe_save(step)  # and at a step the ranks agreed to stop at (a signal)
-        job.goodput.on_step(step, job.ckpt.save_s)
         monitor.on_step(step, result)
     seconds = time.perf_counter() - start
     train_loss, num_samples = epoch_loss.reduce(runtime)  # collective
