@@ -36,6 +36,18 @@ def _restore_environment(monkeypatch):
 
 
 @pytest.fixture(autouse=True)
+def _restore_signal_handlers():
+    """A runtime a test left open keeps its stop-signal handlers: put the previous ones back."""
+    import signal
+
+    names = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1, signal.SIGUSR2)
+    saved = {sig: signal.getsignal(sig) for sig in names}
+    yield
+    for sig, handler in saved.items():
+        signal.signal(sig, handler if handler is not None else signal.SIG_DFL)
+
+
+@pytest.fixture(autouse=True)
 def _no_leftover_process_group():
     yield
     import torch.distributed as dist

@@ -41,6 +41,7 @@ from ddpkit.distributed.sampler import (
     build_eval_loader,
     build_train_loader,
 )
+from ddpkit.distributed.stop import TrainingStopped
 from ddpkit.distributed.watchdog import DeadlockError, StallError
 from ddpkit.errors import ConfigError, DataError, DdpkitError, DistributedError
 from ddpkit.guards.grad_sync import GradSyncCheck, GradSyncError
@@ -86,6 +87,7 @@ __all__ = [
     "StepResult",
     "StepTimer",
     "TrainStep",
+    "TrainingStopped",
     "UnevenInputsError",
     "UnpaddedDistributedSampler",
     "UnusedParameterDiagnosis",

@@ -146,7 +146,9 @@ def test_ctrl_c_is_one_line_naming_the_step_the_checkpoint_and_the_resume(tmp_pa
     assert len(lines) == 1, errors
     (line,) = lines
     assert line.startswith("ddpkit train: interrupted (Ctrl-C) after step "), line
-    assert "checkpoint step-0000000" in line and line.endswith(
+    step = int(line.split(" after step ")[1].split()[0])
+    # #14: the checkpoint is at the step where it stopped, not the last periodic one
+    assert f"saved: checkpoint step-{step:08d} in" in line and line.endswith(
         f"--output-dir {out} --resume auto"
     ), line
     assert not [pid for pid in started if pid_alive(pid)], "processes outlived the job"

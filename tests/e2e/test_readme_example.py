@@ -113,3 +113,57 @@ def test_readme_pattern_with_a_batchnorm_cnn_and_sync_batchnorm(launch, tmp_path
     assert layers == (synced if world_size > 1 else ["BatchNorm1d"]), result.output
     ignored = "sync_batchnorm=True, bucket_cap_mb=5: DDP options, in effect with 2 or more"
     assert (ignored in result.output) == (world_size == 1), result.output
+
+
+@pytest.mark.parametrize("launch", sorted(LAUNCHES))
+def test_readme_example_stops_on_sigterm_at_a_step_and_resumes_there(launch, tmp_path):
+    # nothing in the example is about signals: its maybe_save(step) does it (issue 14)
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from tests.helpers import descendants, pid_alive
+
+    world_size, command = LAUNCHES[launch]
+    (tmp_path / "train.py").write_text(readme_example())
+    env = {**os.environ, "EPOCHS": "50", "PYTHONUNBUFFERED": "1"}
+    first = tmp_path / "checkpoints" / "step-00000020" / "manifest.json"
+    with open(tmp_path / "stderr", "w+") as stderr:
+        proc = subprocess.Popen(
+            [sys.executable, *command], cwd=tmp_path, env=env, stdout=subprocess.DEVNULL,
+            stderr=stderr, start_new_session=True,
+        )  # fmt: skip
+        try:
+            deadline = time.monotonic() + 120
+            while not first.is_file():  # ready: the first periodic checkpoint is complete
+                assert proc.poll() is None and time.monotonic() < deadline, "no step 20"
+                time.sleep(0.02)
+            started = descendants(proc.pid)
+            proc.send_signal(signal.SIGTERM)
+            code = proc.wait(timeout=60)
+        finally:
+            if proc.poll() is None:
+                for pid in descendants(proc.pid):
+                    os.kill(pid, signal.SIGKILL)
+                proc.wait()
+        stderr.seek(0)
+        last = stderr.read().strip().splitlines()[-1]
+    assert code == 143, last
+    step = int(last.split(" after step ")[1].split(";")[0].split()[0])
+    if launch == "python":
+        assert last == (
+            f"ddpkit: stopped by SIGTERM after step {step}; saved checkpoint "
+            f"checkpoints/step-{step:08d}; rerun to resume."
+        ), last
+    else:
+        assert last == (
+            f"ddpkit run: stopped by SIGTERM after step {step}; all 2 processes stopped; saved: "
+            f"checkpoint step-{step:08d} in checkpoints; resume with: ddpkit run -n 2 train.py"
+        ), last
+    assert not [pid for pid in started if pid_alive(pid)], "processes outlived the job"
+    resumed = run_cli(command, env={"EPOCHS": str(step // (SAMPLES // BATCH // world_size) + 1)},
+                      cwd=str(tmp_path), timeout_s=240)  # fmt: skip
+    assert resumed.returncode == 0, resumed.output
+    assert f"(step {step})" in resumed.output, resumed.output  # 0 lost steps

@@ -144,6 +144,20 @@ def test_killed_rank_restarts_and_resumes_to_the_same_parameters(tmp_path):
     assert "differs across ranks" not in faulty.output  # the saved sums are every rank's
     assert "resumed at step" not in plain.stdout
 
+    # goodput (#14 section 5): the restart's time and the 2 steps past step 8 trained twice
+    once, twice = (s["goodput"] for s in summaries)
+    assert (once["attempts"], once["restarts"], once["recomputed_steps"]) == (1, 0, 0)
+    assert (twice["attempts"], twice["restarts"], twice["recomputed_steps"]) == (2, 1, 2)
+    assert twice["recomputed_s"] > 0 and once["recomputed_s"] == 0
+    for split in (once, twice):
+        parts = ("productive_s", "checkpoint_s", "startup_s", "recomputed_s", "evaluation_s")
+        assert all(split[k] >= 0 for k in parts) and split["startup_s"] > 0
+        assert sum(split[k] for k in parts) + split["other_s"] == pytest.approx(split["wall_s"])
+        assert split["goodput"] == pytest.approx(split["productive_s"] / split["wall_s"])
+    assert twice["startup_s"] > once["startup_s"]  # two start-ups and torchrun's restart gap
+    assert twice["goodput"] < once["goodput"]
+    assert "goodput " in faulty.stdout and "(2 attempt(s), 1 restart(s))" in faulty.stdout
+
 
 def _records(path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines()]

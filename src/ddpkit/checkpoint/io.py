@@ -9,11 +9,13 @@ or none of it, and a writer killed at any moment leaves at most a ``.tmp-*`` fol
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import io
 import json
 import os
 import shutil
+import time
 from pathlib import Path
 from typing import Any
 
@@ -23,6 +25,7 @@ from ddpkit.errors import DataError
 
 MANIFEST = "manifest.json"
 STATE_FILE = "state.pt"
+SLOW_SAVE_ENV = "DDPKIT_TEST_SLOW_SAVE_S"  # a testing hook: every write sleeps this long
 FORMAT_VERSION = 2  # 2: the manager's {name: state dict} under "state"
 
 
@@ -107,6 +110,8 @@ def _write_files(
 ) -> None:
     if state is not None:
         write_state_file(tmp, state)
+    if os.environ.get(SLOW_SAVE_ENV):  # tests: a save long enough to signal during it
+        time.sleep(float(os.environ[SLOW_SAVE_ENV]))
     manifest = {
         "format": FORMAT_VERSION,
         "step": step,
@@ -118,6 +123,24 @@ def _write_files(
     for sub in {Path(name).parent for name in files} - {Path(".")}:
         _fsync(tmp / sub)
     _fsync(tmp)
+
+
+def probe_write_s(directory: Path, state: dict[str, Any]) -> float:
+    """Seconds one checkpoint write of ``state`` takes in ``directory`` (written under a
+    temporary name as :func:`write_checkpoint` does, then removed). Not a collective."""
+    created = not directory.exists()
+    directory.mkdir(parents=True, exist_ok=True)
+    tmp = directory / f".tmp-probe-{os.getpid()}"
+    start = time.perf_counter()
+    try:
+        tmp.mkdir(exist_ok=True)
+        _write_files(tmp, 0, state, {})
+        return time.perf_counter() - start
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+        if created:
+            with contextlib.suppress(OSError):
+                directory.rmdir()  # leave no empty folder behind
 
 
 def read_manifest(folder: Path) -> dict:

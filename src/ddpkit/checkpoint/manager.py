@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import time
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -64,6 +65,7 @@ from ddpkit.checkpoint.state import load_model_state, rng_state
 from ddpkit.distributed.collectives import all_gather_object, all_reduce_sum, barrier
 from ddpkit.distributed.loader import ShardedLoader
 from ddpkit.distributed.process_group import Runtime
+from ddpkit.distributed.stop import TrainingStopped
 from ddpkit.errors import ConfigError, DataError, DistributedError
 from ddpkit.guards.replicas import buffer_fix
 from ddpkit.log import get_logger
@@ -150,9 +152,13 @@ class CheckpointManager:
             saved unwrapped (no ``module.``/``_orig_mod.`` prefix) and its parameters must
             agree across ranks (an ``fsdp`` model: its buffers); sharded state (``fsdp``,
             ``ZeroRedundancyOptimizer``) is saved by every rank, its own shard.
-            The names key the checkpoint: resume with the same names.
+            The names key the checkpoint: resume with the same names. An object with a
+            ``before_checkpoint(runtime, step)`` method gets it called on every rank at the
+            start of each save (it may be a collective, e.g. folding per-rank sums so that rank
+            0's copy is everyone's).
         keep_last: complete checkpoints to keep (older ones are deleted by rank 0), >= 1.
-        every_steps: :meth:`maybe_save` saves when ``step % every_steps == 0`` (0 = never).
+        every_steps: :meth:`maybe_save` saves when ``step % every_steps == 0`` (0 = never);
+            it also saves, and stops, at a step the ranks agreed to stop at after a signal.
         every_epochs: :meth:`maybe_save_epoch` saves after every this many epochs (0 = never).
         extra: JSON settings written to the manifest (batch size, lr, ...); :meth:`resume`
             refuses a checkpoint whose settings differ (see :func:`check_compatible`).
@@ -196,6 +202,8 @@ class CheckpointManager:
         self.runtime = runtime
         self.keep_last = keep_last
         self.every_steps = every_steps
+        self.save_s = 0.0  # seconds spent in save() so far (the goodput's checkpoint time)
+        self._newest: tuple[int, Path] | None = None  # the newest complete checkpoint known
         self.every_epochs = every_epochs
         self.async_save = async_save
         self._async: AsyncShardedSaves | None = None
@@ -239,7 +247,10 @@ class CheckpointManager:
         Example:
             >>> ckpt.save(step)  # doctest: +SKIP
         """
-        managed = self._managed("save")
+        managed, start = self._managed("save"), time.perf_counter()
+        for obj in managed.values():  # every rank, in the same order: they may be collectives
+            if callable(getattr(obj, "before_checkpoint", None)):
+                obj.before_checkpoint(self.runtime, step)
         sharded = sharded_entries(managed, self.runtime)  # through DCP: every rank its shard
         digests = replicated_digests(managed) if self.runtime.process_group is not None else {}
         gathered = all_gather_object({"rng": rng_state(), "digests": digests}, self.runtime)
@@ -257,21 +268,24 @@ class CheckpointManager:
 
         if sharded and self.async_save:
             self._async = self._async or AsyncShardedSaves(self.runtime)
-            return self._async.start(
+            folder = self._async.start(
                 self.directory, managed, sharded, step,
                 replicated=replicated, meta=self._meta(found), prune=self._prune,
             )  # fmt: skip
-        if sharded:
-            return save_sharded(
+        elif sharded:
+            folder = save_sharded(
                 self.runtime, self.directory, managed, sharded, step,
                 replicated=replicated, meta=self._meta(found), prune=self._prune,
             )  # fmt: skip
-        if self.runtime.is_rank_zero:
-            try:
-                folder = self._write(step, replicated(), found)
-            except Exception as exc:  # noqa: BLE001 - every rank must learn of it
-                error = exc
-        self._agree_written(step, error)
+        else:
+            if self.runtime.is_rank_zero:
+                try:
+                    folder = self._write(step, replicated(), found)
+                except Exception as exc:  # noqa: BLE001 - every rank must learn of it
+                    error = exc
+            self._agree_written(step, error)
+        self._newest = (step, folder)
+        self.save_s += time.perf_counter() - start
         return folder
 
     def wait(self) -> Path | None:
@@ -322,10 +336,36 @@ class CheckpointManager:
         )
 
     def maybe_save(self, step: int) -> Path | None:
-        """:meth:`save` when ``every_steps`` divides ``step``. Collective like :meth:`save`."""
-        if self.every_steps and step % self.every_steps == 0:
+        """:meth:`save` when ``every_steps`` divides ``step``; after a stop signal, at the step
+        the ranks agree on (:meth:`ddpkit.Runtime.stop_requested`, asked here): save, then
+        raise :class:`~ddpkit.TrainingStopped`.
+
+        Collective like :meth:`save`: call on every rank after every step (a call at step 0,
+        or at the step just resumed, saves nothing).
+
+        Raises:
+            TrainingStopped: every rank agreed to stop; ``step`` was saved first, unless nothing
+                was trained since the newest checkpoint (or ``step`` is 0). Uncaught, it ends
+                the process with status 128 + the signal number.
+        """
+        if self.runtime.stop_requested():
+            raise self._stopped(step)
+        if self.every_steps and step % self.every_steps == 0 and self._is_new(step):
             return self.save(step)
         return None
+
+    def _is_new(self, step: int) -> bool:
+        """Whether ``step`` has been trained since the newest checkpoint this manager knows."""
+        return step > 0 and (self._newest is None or self._newest[0] != step)
+
+    def _stopped(self, step: int) -> TrainingStopped:
+        """Save ``step`` for the agreed stop (unless nothing was trained since the newest
+        checkpoint); the exception to raise. Collective."""
+        fresh = self._is_new(step)
+        folder = self.save(step) if fresh else (self._newest[1] if self._newest else None)
+        self.wait()  # an asynchronous save in flight is committed before the job stops
+        assert self.runtime.stop is not None and self.runtime.stop.agreed is not None
+        return TrainingStopped(self.runtime.stop.agreed, step=step, checkpoint=folder, saved=fresh)
 
     def maybe_save_epoch(self, epoch: int, *, step: int) -> Path | None:
         """After epoch ``epoch`` (1-based) ends: :meth:`save` of ``step`` when
@@ -350,7 +390,7 @@ class CheckpointManager:
         stale = [p for p in folders if p not in complete and int(p.name[5:]) < newest]
         for old in complete[self.keep_last :] + stale:
             shutil.rmtree(old, ignore_errors=True)
-        for tmp in self.directory.glob(".tmp-step-*"):
+        for tmp in self.directory.glob(".tmp-*"):  # dead writers' saves and probes
             if not tmp.name.endswith(f"-{os.getpid()}"):
                 shutil.rmtree(tmp, ignore_errors=True)
 
@@ -430,6 +470,7 @@ class CheckpointManager:
                 if int(newer.name[5:]) > int(state["step"]):
                     shutil.rmtree(newer, ignore_errors=True)
         barrier(self.runtime)
+        self._newest = (int(state["step"]), folder)
         log.info("resumed from %s (step %d)%s", folder, state["step"], note)
         return int(state["step"])
 

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import argparse
+import shlex
 
+from ddpkit.distributed.stop import parse_stop_signals
 from ddpkit.errors import ConfigError
 from ddpkit.launch.elastic import RDZV_CONF_KEYS
 from ddpkit.launch.launcher import LaunchSpec, launch
@@ -55,6 +57,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         metavar="T",
         help="threads per process (default: OMP_NUM_THREADS if set, else usable cores // N)",
     )
+    _add_stop_arguments(parser)
     _add_node_arguments(parser)
     parser.add_argument(
         "-m",
@@ -70,6 +73,25 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         help="the script and its arguments (the module's arguments with -m)",
     )
     parser.set_defaults(handler=run)
+
+
+def _add_stop_arguments(parser: argparse.ArgumentParser) -> None:
+    """The stop signals and the grace period (see docs/preemption.md)."""
+    parser.add_argument(
+        "--grace-period",
+        type=int,
+        default=30,
+        metavar="SECONDS",
+        help="after a stop signal, seconds the ranks have to finish their step and save "
+        "before they are killed (torchrun's --shutdown-timeout; default 30)",
+    )
+    parser.add_argument(
+        "--stop-signals",
+        default="SIGTERM,SIGINT,SIGUSR1",
+        metavar="SIGNALS",
+        help="signals passed on to every rank, which stop after the same step when the script "
+        "uses ddpkit's runtime (default SIGTERM,SIGINT,SIGUSR1; none = only torchrun's own)",
+    )
 
 
 def _add_node_arguments(parser: argparse.ArgumentParser) -> None:
@@ -155,6 +177,9 @@ def launch_spec(args: argparse.Namespace) -> LaunchSpec:
         rdzv_id=args.rdzv_id,
         rdzv_conf=args.rdzv_conf,
         tls=tls if all(tls) else None,
+        resume_command=shlex.join(["ddpkit", *args.argv]),
+        grace_period_s=args.grace_period,
+        stop_signals=parse_stop_signals(args.stop_signals),
     )
 
 

@@ -21,10 +21,11 @@ import torch
 from ddpkit.app.mnist.config import SECTIONS, TrainConfig, check
 from ddpkit.app.mnist.data import RANK_MEMORY_MIB, DataSource, resolve_data
 from ddpkit.app.mnist.job import train_mnist
-from ddpkit.app.mnist.resume import checkpoint_settings, interrupted_note, plan_batch
+from ddpkit.app.mnist.resume import checkpoint_settings, interrupted_note, plan_batch, stop_note
 from ddpkit.checkpoint.manager import check_compatible
 from ddpkit.cli.flags import add_settings_arguments, given_settings
 from ddpkit.distributed.env import detect_process_info
+from ddpkit.distributed.stop import TrainingStopped, parse_stop_signals
 from ddpkit.files import make_output_folder
 from ddpkit.launch.launcher import LaunchSpec, launch
 from ddpkit.settings import read_toml, to_toml
@@ -114,7 +115,7 @@ def run(args: argparse.Namespace) -> int:
     if info.is_distributed:  # torchrun -m ddpkit train, or srun -n 2
         return _train_here(config, source, worker=False)
     if nproc == 1 and not config.max_restarts:  # restarts are torchrun's: those go through it
-        return _train_here(config, source, worker=False)
+        return _train_here(config, source, worker=False, argv=args.argv)
     return _launch(config, source, nproc, argv=args.argv)
 
 
@@ -143,13 +144,17 @@ def _launch(config: TrainConfig, source: DataSource, nproc: int, *, argv: list[s
             max_restarts=config.max_restarts,
             command="ddpkit train",  # failures are labelled with the command the user ran (#16)
             on_interrupt=functools.partial(interrupted_note, config.output_dir, argv),
+            grace_period_s=config.grace_period,
+            stop_signals=parse_stop_signals(config.stop_signals),
             mem_per_rank_mib=RANK_MEMORY_MIB[source.dataset],  # --nproc that cannot fit: refused
             mem_per_rank_what=f"a ddpkit train rank on {source.dataset}",
         )
         return launch(spec)
 
 
-def _train_here(config: TrainConfig, source: DataSource, *, worker: bool) -> int:
+def _train_here(
+    config: TrainConfig, source: DataSource, *, worker: bool, argv: list[str] | None = None
+) -> int:
     from ddpkit.distributed.process_group import init_runtime
     from ddpkit.log import configure_logging, get_logger
 
@@ -160,11 +165,19 @@ def _train_here(config: TrainConfig, source: DataSource, *, worker: bool) -> int
         train_timeout_s=config.train_timeout,
         stall_timeout_s=config.stall_timeout if on else None,
         deadlock_timeout_s=5.0 if on else None,
+        stop_signals=parse_stop_signals(config.stop_signals),
     ) as runtime:
         configure_logging(runtime.info)
         if source.note and not worker:
             get_logger("train").info(source.note)
-        train_mnist(config, runtime, source)
+        try:
+            train_mnist(config, runtime, source)
+        except TrainingStopped as stopped:
+            if worker:  # the bootstrap records it; the launcher prints the one line
+                raise
+            if runtime.is_rank_zero:
+                print(stop_note(stopped, config.output_dir, argv or []), file=sys.stderr)
+            return stopped.code
     return 0
 
 

@@ -16,6 +16,7 @@ import time
 import traceback
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Any
 
 from ddpkit.diagnostics.translate import explain
 from ddpkit.errors import DdpkitError
@@ -151,12 +152,89 @@ def record_failure(exc: BaseException) -> None:
         write_record(make_record(exc), os.environ[RUN_DIR_ENV])
 
 
-def read_records(run_dir: str | os.PathLike[str]) -> list[FailureRecord]:
-    """All complete records in ``run_dir``, oldest first (the first failure leads)."""
+def _read(run_dir: str | os.PathLike[str], pattern: str, kind: type) -> list[Any]:
     records = []
-    for path in Path(run_dir).glob("failure-*.json"):
+    for path in Path(run_dir).glob(pattern):
         try:
-            records.append(FailureRecord(**json.loads(path.read_text())))
+            records.append(kind(**json.loads(path.read_text())))
         except (OSError, ValueError, TypeError):
             continue  # a worker killed while writing leaves only its .tmp file; skip stragglers
-    return sorted(records, key=lambda r: r.time_s)
+    return records
+
+
+def read_records(run_dir: str | os.PathLike[str]) -> list[FailureRecord]:
+    """All complete records in ``run_dir``, oldest first (the first failure leads)."""
+    return sorted(_read(run_dir, "failure-*.json", FailureRecord), key=lambda r: r.time_s)
+
+
+@dataclass(frozen=True)
+class StopRecord:
+    """What one worker wrote when it stopped on a signal (:class:`ddpkit.TrainingStopped`).
+
+    Attributes:
+        rank, world_size, restart, pid: the worker's coordinates.
+        signal: the signal's name (``"SIGTERM"``); ``now``: a second signal stopped it at once.
+        step: the step every rank finished before stopping (``None`` for a stop now).
+        checkpoint: the newest complete checkpoint folder when it stopped, or ``None``;
+            ``saved``: this stop wrote it, at ``step``.
+        note: where in the program, e.g. ``ddpkit train``'s ``"(epoch 2/5)"``.
+        time_s: wall-clock time of the stop, seconds since the epoch.
+    """
+
+    rank: int
+    world_size: int
+    restart: int
+    pid: int
+    signal: str
+    now: bool
+    step: int | None
+    checkpoint: str | None
+    saved: bool
+    note: str
+    time_s: float
+
+
+def write_stop_record(stopped: Any, run_dir: str | os.PathLike[str]) -> Path:
+    """Write the record of ``stopped`` (a :class:`~ddpkit.TrainingStopped`) atomically into
+    ``run_dir``; returns its path."""
+    env = os.environ
+    record = StopRecord(
+        rank=int(env.get("RANK", 0)),
+        world_size=int(env.get("WORLD_SIZE", 1)),
+        restart=int(env.get("TORCHELASTIC_RESTART_COUNT", 0)),
+        pid=os.getpid(),
+        signal=stopped.signal.name,
+        now=stopped.now,
+        step=stopped.step,
+        checkpoint=None if stopped.checkpoint is None else str(stopped.checkpoint),
+        saved=stopped.saved,
+        note=getattr(stopped, "note", ""),
+        time_s=time.time(),
+    )
+    path = Path(run_dir) / f"stop-r{record.restart}-rank{record.rank}.json"
+    tmp = path.with_suffix(f".tmp{record.pid}")
+    tmp.write_text(json.dumps(asdict(record)))
+    os.replace(tmp, path)
+    return path
+
+
+def read_stop_records(run_dir: str | os.PathLike[str]) -> list[StopRecord]:
+    """The stop records of the newest attempt that has any, by rank."""
+    records = _read(run_dir, "stop-*.json", StopRecord)
+    newest = max((r.restart for r in records), default=0)
+    return sorted((r for r in records if r.restart == newest), key=lambda r: r.rank)
+
+
+def write_done_record(run_dir: str | os.PathLike[str]) -> Path:
+    """Mark that this worker's script ran to its end (exit 0), for the launcher."""
+    restart, rank = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"), os.environ.get("RANK", "0")
+    path = Path(run_dir) / f"done-r{restart}-rank{rank}"
+    path.touch()
+    return path
+
+
+def count_done_records(run_dir: str | os.PathLike[str]) -> int:
+    """How many workers of the newest attempt that has any ran their script to its end."""
+    restarts = [int(p.name.split("-")[1][1:]) for p in Path(run_dir).glob("done-r*-rank*")]
+    newest = max(restarts, default=0)
+    return len(list(Path(run_dir).glob(f"done-r{newest}-rank*")))

@@ -13,7 +13,8 @@ import contextlib
 import datetime
 import faulthandler
 import os
-from collections.abc import Iterator
+import sys
+from collections.abc import Iterator, Sequence
 from dataclasses import KW_ONLY, dataclass, field
 from typing import Any
 
@@ -30,7 +31,12 @@ import torch.distributed as dist
 if dist.is_available():
     import torch.distributed.nn.functional  # noqa: F401  (see above)
 
-from ddpkit.diagnostics.failures import record_failure, stamp_failure_time
+from ddpkit.diagnostics.failures import (
+    RUN_DIR_ENV,
+    record_failure,
+    stamp_failure_time,
+    write_stop_record,
+)
 from ddpkit.distributed.env import ProcessInfo, detect_process_info, slurm_rendezvous_defaults
 from ddpkit.distributed.rendezvous import (
     check_local_route,
@@ -39,6 +45,7 @@ from ddpkit.distributed.rendezvous import (
     join,
     make_store,
 )
+from ddpkit.distributed.stop import StopRequest, TrainingStopped, default_stop_signals
 from ddpkit.distributed.watchdog import Watchdog
 from ddpkit.errors import ConfigError, DistributedError
 from ddpkit.security.token import load_token
@@ -91,6 +98,8 @@ class Runtime:
             (see :mod:`ddpkit.distributed.collectives`; also ``DDPKIT_DEBUG_COLLECTIVES=1``).
         watchdog: the deadlock and stall detector (:mod:`ddpkit.distributed.watchdog`), or
             ``None`` (off, or a single process).
+        stop: the stop signals' handlers and the ranks' agreement
+            (:class:`~ddpkit.distributed.stop.StopRequest`), or ``None`` (off).
 
     Built by :func:`init_runtime`. ``Runtime(ProcessInfo())`` is one CPU process without a
     process group (for tests and tools); every field after ``info`` is keyword-only.
@@ -104,6 +113,7 @@ class Runtime:
     train_timeout_s: float = 1800.0
     debug_collectives: bool = False
     watchdog: Watchdog | None = None
+    stop: StopRequest | None = None
     _closed: bool = field(default=False, repr=False)
 
     @property
@@ -121,6 +131,31 @@ class Runtime:
     @property
     def is_rank_zero(self) -> bool:
         return self.info.is_rank_zero
+
+    def stop_requested(self) -> bool:
+        """Whether every rank agreed to stop, after a stop signal reached any of them.
+
+        Call it once per step, on every rank: it returns the same answer on every rank at the
+        same call, ``True`` from the call that first sees a rank's signal on. The ranks compare
+        their requests in one small all-reduce every K calls, K set so that the checks cost
+        at most 1 % of the time between calls and come at most 1 s apart (see
+        :mod:`ddpkit.distributed.stop`). The first call also makes signals wait for this
+        agreement (before it they have their usual effect). :meth:`CheckpointManager.maybe_save
+        <ddpkit.CheckpointManager.maybe_save>` calls it, saves and raises
+        :class:`~ddpkit.TrainingStopped`.
+
+        Collective: call on every rank the same number of times. At world size 1 it answers
+        from this process's own signals, without communication. ``False`` always when the
+        runtime has no stop signals (``init_runtime(stop_signals=())``).
+
+        Raises:
+            DistributedError: a peer stopped answering during the check.
+
+        Example:
+            >>> if rt.stop_requested():          # doctest: +SKIP
+            ...     break
+        """
+        return self.stop.poll(self) if self.stop is not None else False
 
     @contextlib.contextmanager
     def watch(self, op: str, *, stall_check: bool = True) -> Iterator[None]:
@@ -208,6 +243,8 @@ class Runtime:
         if self._closed:
             return
         self._closed = True
+        if self.stop is not None:
+            self.stop.restore()
         if self.watchdog is not None:
             self.watchdog.close()
         self.process_group = None
@@ -218,7 +255,16 @@ class Runtime:
         return self
 
     def __exit__(self, exc_type: object, exc: BaseException | None, tb: object) -> None:
-        if exc is not None:  # before the teardown that makes the peers fail
+        if (
+            isinstance(exc, TrainingStopped)
+            and self.is_rank_zero
+            and not os.environ.get(RUN_DIR_ENV)
+        ):
+            end = "the newest complete checkpoint stands" if exc.now else "rerun to resume"
+            print(f"ddpkit: {exc}; {end}.", file=sys.stderr, flush=True)  # ddpkit run says it
+        if exc is not None and not isinstance(
+            exc, TrainingStopped
+        ):  # before the teardown that makes the peers fail
             from ddpkit.diagnostics.translate import add_hint_note
 
             if self.watchdog is not None:  # a report ends this process: not a second cause
@@ -226,6 +272,17 @@ class Runtime:
             stamp_failure_time(exc)
             add_hint_note(exc)  # the fix under the traceback, under torchrun too
         self.close()
+
+
+def _report_stop(stopped: TrainingStopped, runtime: Runtime) -> None:
+    """Under ``ddpkit run``: the stop record for the launcher's line, written now, before the
+    teardown (a late signal may end the process after it); else rank 0 says it."""
+    if os.environ.get(RUN_DIR_ENV):
+        write_stop_record(stopped, os.environ[RUN_DIR_ENV])
+        stopped.recorded = True
+    elif runtime.is_rank_zero:
+        end = "the newest complete checkpoint stands" if stopped.now else "rerun to resume"
+        print(f"ddpkit: {stopped}; {end}.", file=sys.stderr, flush=True)
 
 
 _NULL_CONTEXT = contextlib.nullcontext()
@@ -287,6 +344,7 @@ def init_runtime(
     store: dist.Store | None = None,
     stall_timeout_s: float | None = 300.0,
     deadlock_timeout_s: float | None = 5.0,
+    stop_signals: Sequence[int] | None = None,
 ) -> Runtime:
     """Join the job: create the process groups and pick this rank's device.
 
@@ -310,6 +368,11 @@ def init_runtime(
             collective and source line once every rank has been stuck this many seconds in
             collectives that cannot match (different operation, group or count). ``0`` or
             ``None``: no deadlock reports. Both off: no watchdog thread.
+        stop_signals: signals that ask every rank to stop at the same step
+            (:meth:`Runtime.stop_requested`; :meth:`ddpkit.CheckpointManager.maybe_save`
+            saves there). ``None``: the launcher's ``--stop-signals``, else SIGTERM, SIGINT and
+            SIGUSR1; ``()``: none. Handlers are installed in the main thread only, and the
+            previous ones restored by :meth:`Runtime.close`.
 
     Returns:
         A :class:`Runtime`; close it (or use ``with``) to destroy the groups.
@@ -338,8 +401,12 @@ def init_runtime(
     check_world_size_limit(info)
     chosen = resolve_backend(backend, info)
     device = torch.device("cuda", info.local_rank) if chosen == "nccl" else torch.device("cpu")
+    signals = default_stop_signals() if stop_signals is None else tuple(stop_signals)
+    stop = StopRequest(signals)  # a bad signal: an error now, before the rendezvous
     if not info.is_distributed:
-        return Runtime(info, device=device, train_timeout_s=float(train_timeout_s))
+        runtime = Runtime(info, device=device, train_timeout_s=float(train_timeout_s))
+        runtime.stop = stop if stop.install() else None
+        return runtime
     if dist.is_initialized():
         raise DistributedError(
             "init_runtime: a default process group already exists. Call init_runtime once per "
@@ -370,6 +437,7 @@ def init_runtime(
         train_timeout_s=float(train_timeout_s),
     )
     runtime.watchdog = watchdog
+    runtime.stop = stop if stop.install() else None
     return runtime
 
 

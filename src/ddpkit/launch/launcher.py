@@ -31,6 +31,7 @@ from pathlib import Path
 from ddpkit.diagnostics.failures import LAUNCHER_PID_ENV, RUN_DIR_ENV, read_records
 from ddpkit.distributed.env import ProcessInfo
 from ddpkit.distributed.rendezvous import check_local_route, check_world_size_limit
+from ddpkit.distributed.stop import DEFAULT_STOP_SIGNALS, GRACE_PERIOD_ENV, STOP_SIGNALS_ENV
 from ddpkit.errors import ConfigError
 from ddpkit.launch.elastic import (
     announce_restarts,
@@ -47,6 +48,12 @@ from ddpkit.launch.network import (
 )
 from ddpkit.launch.resources import BARE_RANK_MIB, check_fits, usable_cores
 from ddpkit.launch.stderr_tail import read_tail, tail_path
+from ddpkit.launch.stopping import (
+    blocked_while_workers_start,
+    signals_to_handle,
+    stop_line,
+    stopped_by_workers,
+)
 from ddpkit.launch.summary import summarize_failure
 from ddpkit.security.bind import MULTI_NODE_ENV
 from ddpkit.security.token import load_token
@@ -82,8 +89,16 @@ class LaunchSpec:
         tls: ``(cert, key, ca)`` PEM files for gloo's TLS transport, or ``None``.
         command: the command the user ran, which labels every line the launcher prints
             (``ddpkit train`` launches through here too).
-        on_interrupt: after Ctrl-C, once every worker has stopped: text to end the one line
-            with (``ddpkit train``: the checkpoint saved and the command that resumes it).
+        on_interrupt: after a stop signal (Ctrl-C, SIGTERM, ...), once every worker has
+            stopped: ``on_interrupt(saved=clean)`` gives the text that ends the one line
+            (``ddpkit train``: the checkpoint and the command that resumes it); ``saved``:
+            every rank saved the step they agreed on.
+        resume_command: without ``on_interrupt``, the command the stop line says resumes the
+            job (``ddpkit run``: the command as the user typed it).
+        grace_period_s: after passing a stop signal on to the workers, seconds to wait before
+            SIGKILLing those still running (torchrun's ``--shutdown-timeout``).
+        stop_signals: the signals that stop every rank at one step with a checkpoint
+            (:mod:`ddpkit.distributed.stop`); torchrun passes them on.
         mem_per_rank_mib, mem_per_rank_what: the measured peak memory of one rank and what it
             was measured on; ``nproc`` ranks that cannot fit in the available memory are
             refused before any starts (:func:`ddpkit.launch.resources.check_fits`).
@@ -101,7 +116,10 @@ class LaunchSpec:
     rdzv_conf: str = ""
     tls: tuple[str, str, str] | None = None
     command: str = "ddpkit run"
-    on_interrupt: Callable[[], str] | None = None
+    on_interrupt: Callable[..., str] | None = None
+    resume_command: str | None = None
+    grace_period_s: int = 30
+    stop_signals: tuple[signal.Signals, ...] = DEFAULT_STOP_SIGNALS
     mem_per_rank_mib: float = BARE_RANK_MIB
     mem_per_rank_what: str = "a bare torch + gloo rank"
 
@@ -141,6 +159,10 @@ def validate_spec(spec: LaunchSpec) -> None:
         problems.append(f"nproc={spec.nproc!r} must be an integer >= 1")
     if spec.max_restarts < 0:
         problems.append(f"max_restarts={spec.max_restarts} must be >= 0")
+    if isinstance(spec.grace_period_s, bool) or not isinstance(spec.grace_period_s, int):
+        problems.append(f"grace_period={spec.grace_period_s!r} must be a whole number of seconds")
+    elif spec.grace_period_s < 1:
+        problems.append(f"grace_period={spec.grace_period_s} must be >= 1 (seconds)")
     if spec.omp_num_threads is not None and spec.omp_num_threads < 1:
         problems.append(f"omp_num_threads={spec.omp_num_threads} must be >= 1")
     problems += node_problems(spec)
@@ -179,6 +201,9 @@ def torchrun_argv(spec: LaunchSpec, plan: NetworkPlan, run_id: str) -> list[str]
         f"--nproc-per-node={spec.nproc}",
         f"--max-restarts={spec.max_restarts}",
         "--monitor-interval=0.1",
+        # torchrun passes these on to every worker, and SIGKILLs them after the grace period
+        f"--signals-to-handle={signals_to_handle(spec.stop_signals)}",
+        f"--shutdown-timeout={spec.grace_period_s}",
         "--module",
         "--",  # the rest is ours: torchrun's parser must not read "--nproc 2" as its own option
         WORKER_MODULE,
@@ -191,8 +216,10 @@ def launch(spec: LaunchSpec) -> int:
 
     Returns:
         0 when every worker exited 0; 1 when one failed (after the summary is printed to
-        stderr); 128 + the signal number when the launcher itself was stopped by a signal
-        (Ctrl-C: 130, after one line saying where the job stopped).
+        stderr); 128 + the signal number after a stop signal reached the launcher or a worker
+        (SIGTERM: 143, SIGUSR1: 138, Ctrl-C: 130), after one line saying where the job
+        stopped, what checkpoint it left and the command that resumes it
+        (:mod:`ddpkit.launch.stopping`).
 
     Raises:
         ConfigError: an invalid :class:`LaunchSpec`; more ranks than fit in the available
@@ -222,14 +249,16 @@ def launch(spec: LaunchSpec) -> int:
             name="ddpkit-agent-guard",
             daemon=True,
         ).start()
+    quiet = _QuietStop(spec.stop_signals)
     for name in _TORCHRUN_LOGGERS:
-        logging.getLogger(name).addFilter(_QUIET_CTRL_C)
+        logging.getLogger(name).addFilter(quiet)
     agent_logger, announcer = announce_restarts(spec.command, elastic=spec.elastic)
     try:
         run_id = uuid.uuid4().hex if spec.nnodes == 1 else spec.rdzv_id
         argv = torchrun_argv(spec, plan, run_id)
-        torchrun.run(torchrun.parse_args(argv))
-        return 0
+        with blocked_while_workers_start(spec.stop_signals):
+            torchrun.run(torchrun.parse_args(argv))
+        return _stopped(spec, run_dir, None) if stopped_by_workers(run_dir) else 0
     except ChildFailedError as exc:
         codes = {rank: failure.exitcode for rank, failure in exc.failures.items()}
         _print_failure_summary(spec, run_dir, codes)
@@ -242,19 +271,14 @@ def launch(spec: LaunchSpec) -> int:
         )
         print(line, file=sys.stderr)
         return 1
-    except SignalException as exc:  # SIGTERM, SIGHUP, ... sent to the launcher
-        if exc.sigval == signal.SIGINT:  # Ctrl-C: torchrun has stopped the workers with SIGINT
-            return _interrupted(spec, run_dir)
-        print(
-            f"{spec.command}: stopped by {exc.sigval.name}; all workers stopped.", file=sys.stderr
-        )
-        return 128 + int(exc.sigval)
-    except KeyboardInterrupt:
-        return _interrupted(spec, run_dir)
+    except SignalException as exc:  # SIGTERM, SIGINT, ... to the launcher: the workers stopped
+        return _stopped(spec, run_dir, exc.sigval)
+    except KeyboardInterrupt:  # Ctrl-C before torchrun took the signals over
+        return _stopped(spec, run_dir, signal.SIGINT)
     finally:
         quiet_restarts(agent_logger, announcer)
         for name in _TORCHRUN_LOGGERS:
-            logging.getLogger(name).removeFilter(_QUIET_CTRL_C)
+            logging.getLogger(name).removeFilter(quiet)
         os.environ.clear()
         os.environ.update(saved)
         shutil.rmtree(run_dir, ignore_errors=True)
@@ -286,45 +310,37 @@ def _print_failure_summary(spec: LaunchSpec, run_dir: str, exit_codes: dict[int,
         print(line, file=sys.stderr)
 
 
-class _QuietCtrlC(logging.Filter):
-    """Drops torchrun's own warnings about a Ctrl-C ("Received 2 death signal", "Sending process
-    N closing signal SIGINT", one per worker): the launcher says it in one line."""
+class _QuietStop(logging.Filter):
+    """Drops torchrun's own warnings about a stop signal ("Received 15 death signal", then
+    "Sending process N closing signal SIGTERM", one per worker): the launcher says it in one
+    line. Other warnings (a worker SIGKILLed at the end of the grace period) stay."""
+
+    def __init__(self, stop_signals: tuple[signal.Signals, ...]) -> None:
+        super().__init__()
+        self.signals = stop_signals
+        self.stopping = False
 
     def filter(self, record: logging.LogRecord) -> bool:
         text = record.getMessage()
-        return not (
-            f"Received {int(signal.SIGINT)} death signal" in text
-            or "Received SIGINT death signal" in text
-            or "closing signal SIGINT" in text
-        )
+        for sig in self.signals:
+            if f"Received {int(sig)} death signal" in text or f"Received {sig.name} death" in text:
+                self.stopping = True
+                return False
+        return not (self.stopping and "closing signal" in text)
 
 
-_QUIET_CTRL_C = _QuietCtrlC()
 _TORCHRUN_LOGGERS = (
     "torch.distributed.elastic.agent.server.api",
     "torch.distributed.elastic.multiprocessing.api",
 )
 
 
-def _interrupted(spec: LaunchSpec, run_dir: str) -> int:
-    """Ctrl-C: one line for the whole job, after every worker has stopped; returns 130.
-
-    Where it stopped comes from the lowest rank's ``KeyboardInterrupt`` record (its message,
-    when the program gave one, e.g. ``ddpkit train``'s "after step 37 (epoch 1)"); the rest
-    from ``spec.on_interrupt``. The workers print no traceback for it (:mod:`.worker`).
-    """
-    records = [r for r in read_records(run_dir) if r.type == "KeyboardInterrupt" and r.message]
-    attempt = max((r.restart for r in records), default=0)
-    records = sorted((r for r in records if r.restart == attempt), key=lambda r: r.rank)
-    where = f" {records[0].message}" if records else ""
-    extra = spec.on_interrupt() if spec.on_interrupt is not None else "."  # may end in a command
-    print(
-        f"{spec.command}: interrupted (Ctrl-C){where}; all {spec.world_size} processes "
-        f"stopped{extra}",
-        file=sys.stderr,
-        flush=True,
-    )
-    return 130
+def _stopped(spec: LaunchSpec, run_dir: str, received: signal.Signals | None) -> int:
+    """A stop signal: one line for the whole job, after every worker has stopped; returns 128 +
+    the signal number (see :func:`ddpkit.launch.stopping.stop_line`)."""
+    line, code = stop_line(spec, run_dir, received)
+    print(line, file=sys.stderr, flush=True)
+    return code
 
 
 def _stderr_tails(run_dir: str, exit_codes: dict[int, int]) -> dict[int, str]:
@@ -350,6 +366,8 @@ def _worker_environment(spec: LaunchSpec, plan: NetworkPlan, run_dir: str) -> di
         "GLOO_SOCKET_IFNAME": plan.ifname,
         RUN_DIR_ENV: run_dir,
         LAUNCHER_PID_ENV: str(os.getpid()),
+        GRACE_PERIOD_ENV: str(spec.grace_period_s),
+        STOP_SIGNALS_ENV: ",".join(s.name for s in spec.stop_signals) or "none",
         "OMP_NUM_THREADS": os.environ.get(
             "OMP_NUM_THREADS", str(max(1, usable_cores() // spec.nproc))
         ),

@@ -22,7 +22,7 @@ KEEP_BYTES = 16384
 _copiers: list[subprocess.Popen] = []  # referenced, so no ResourceWarning when it outlives us
 _COPY = r"""
 import os, signal, sys
-for name in ("SIGINT", "SIGTERM", "SIGHUP"):  # stopped by EOF only: nothing may be lost
+for name in ("SIGINT", "SIGTERM", "SIGHUP", "SIGUSR1", "SIGUSR2"):  # ended by EOF only
     signal.signal(getattr(signal, name), signal.SIG_IGN)
 path, keep = sys.argv[1], int(sys.argv[2])
 tail = bytearray()

@@ -5,6 +5,9 @@
 
 It runs the target as ``__main__`` (as ``python script.py`` would), and:
 
+- after a stop signal (:class:`ddpkit.TrainingStopped`): writes a stop record for the launcher
+  and exits 0 (the launcher says where it stopped and exits 128 + the signal number), so
+  torchrun neither restarts the workers nor reports a failure;
 - when an exception escapes: writes a :class:`~ddpkit.diagnostics.failures.FailureRecord` (when
   ``DDPKIT_RUN_DIR`` is set), prints the traceback with a ``[rank r/N]`` prefix, exits 1
   (``KeyboardInterrupt``: recorded without a traceback, exit 130; the launcher says it once);
@@ -22,6 +25,7 @@ import atexit
 import faulthandler
 import os
 import runpy
+import signal
 import sys
 
 # Before the user's script can create a process group: applies the import-order fix in there.
@@ -31,8 +35,11 @@ from ddpkit.diagnostics.failures import (
     RUN_DIR_ENV,
     make_record,
     register_bootstrap_file,
+    write_done_record,
     write_record,
+    write_stop_record,
 )
+from ddpkit.distributed.stop import TrainingStopped, default_stop_signals
 
 register_bootstrap_file(__file__)  # failure tracebacks start at the user's script
 
@@ -129,26 +136,44 @@ def run_target(argv: list[str]) -> int:
         )
         return 2
     try:
-        if argv[0] == "-m":
-            sys.argv = [argv[1], *argv[2:]]
-            runpy.run_module(argv[1], run_name="__main__", alter_sys=True)
-        else:
-            script = os.path.abspath(argv[0])
-            sys.argv = [argv[0], *argv[1:]]
-            sys.path.insert(0, os.path.dirname(script))
-            runpy.run_path(script, run_name="__main__")
+        _run_as_main(argv)
+    except TrainingStopped as exc:  # every rank stopped at one step: the launcher says it once
+        return _stopped(exc)
     except SystemExit as exc:
         code = _exit_code(exc)
         if code != 0:
             _record_failure(exc, show_traceback=False)
-        return code
+            return code
     except KeyboardInterrupt as exc:  # Ctrl-C: recorded; the launcher prints one line per job
         _record_failure(exc, show_traceback=False)
         return 130
     except BaseException as exc:  # noqa: BLE001 - every escape is recorded
         _record_failure(exc, show_traceback=True)
         return 1
+    if os.environ.get(RUN_DIR_ENV):  # a stop signal that came too late finds the job completed
+        write_done_record(os.environ[RUN_DIR_ENV])
     return 0
+
+
+def _run_as_main(argv: list[str]) -> None:
+    if argv[0] == "-m":
+        sys.argv = [argv[1], *argv[2:]]
+        runpy.run_module(argv[1], run_name="__main__", alter_sys=True)
+    else:
+        script = os.path.abspath(argv[0])
+        sys.argv = [argv[0], *argv[1:]]
+        sys.path.insert(0, os.path.dirname(script))
+        runpy.run_path(script, run_name="__main__")
+
+
+def _stopped(exc: TrainingStopped) -> int:
+    """Under ``ddpkit run``: the stop record (unless the runtime wrote it), and exit 0 after a
+    clean stop; elsewhere 128 + the signal."""
+    if not os.environ.get(RUN_DIR_ENV):
+        return exc.code
+    if not exc.recorded:  # raised outside the runtime's with block
+        write_stop_record(exc, os.environ[RUN_DIR_ENV])
+    return exc.code if exc.now else 0
 
 
 def die_with_launcher() -> None:
@@ -161,7 +186,6 @@ def die_with_launcher() -> None:
     if not sys.platform.startswith("linux") or not launcher_pid:
         return
     import ctypes
-    import signal
 
     pr_set_pdeathsig = 1  # from <linux/prctl.h>
     libc = ctypes.CDLL(None, use_errno=True)
@@ -204,7 +228,21 @@ def say_restart() -> None:
         )
 
 
+def release_stop_signals(argv: list[str]) -> None:
+    """Unblock the stop signals ddpkit's launcher started this worker with, unless the target
+    is ``ddpkit train``, whose runtime unblocks them once it waits for them.
+
+    The launcher blocks them so that a signal reaching a rank while it starts (importing
+    torch, joining the rendezvous) stays pending instead of ending it. Any other script gets
+    the usual behaviour from its first line (``ddpkit.init_runtime`` installs the handlers
+    later).
+    """
+    if argv[:3] != ["-m", "ddpkit", "train"]:
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, default_stop_signals())
+
+
 def main() -> None:
+    release_stop_signals(sys.argv[1:])
     die_with_launcher()
     keep_stderr_tail()
     say_restart()

@@ -21,6 +21,7 @@ from ddpkit.app.mnist.data import DATASETS
 from ddpkit.app.mnist.model import OPTIMIZERS
 from ddpkit.app.mnist.monitor import PROGRESS_MODES, TENSORBOARD_MODES
 from ddpkit.distributed.process_group import BACKENDS
+from ddpkit.distributed.stop import parse_stop_signals
 from ddpkit.errors import ConfigError
 from ddpkit.files import unwritable_ancestor
 from ddpkit.parallel.comm import GRAD_COMPRESSIONS
@@ -45,6 +46,14 @@ def _output_dir_rule(path: str) -> str | None:
 def _stall_rule(seconds: float) -> str | None:
     ok = seconds == 0 or (seconds >= 2 and seconds != float("inf"))
     return None if ok else "must be 0 (off) or a finite number >= 2 (seconds)"
+
+
+def _stop_signals_rule(value: str) -> str | None:
+    try:
+        parse_stop_signals(value)
+    except ConfigError:
+        return "must be signal names such as SIGTERM,SIGUSR1 (not SIGKILL/SIGSTOP), or none"
+    return None
 
 
 def _resume_rule(value: str) -> str | None:
@@ -111,6 +120,16 @@ class LaunchConfig:
         0, "restart all ranks up to R times after a failure; with --checkpoint-every they "
         "resume from the newest complete checkpoint (default %(default)s)",
         check=at_least(0), metavar="R",
+    )  # fmt: skip
+    grace_period: int = option(
+        30, "after a stop signal, seconds every rank has to finish its step and write the "
+        "checkpoint before it is killed (torchrun's --shutdown-timeout; default %(default)s)",
+        check=at_least(1), metavar="SECONDS",
+    )  # fmt: skip
+    stop_signals: str = option(
+        "SIGTERM,SIGINT,SIGUSR1", "signals that stop every rank after the same step, with a "
+        "checkpoint at it (default %(default)s; none = the signals' usual effect)",
+        check=_stop_signals_rule, metavar="SIGNALS",
     )  # fmt: skip
 
 

@@ -7,8 +7,8 @@ time. :class:`EpochMeter` is part of the checkpointed state instead, so the resu
 record covers every step of the epoch, and says that it was resumed.
 
 How the sums stay exact and replicated: each rank adds its own steps' losses and samples
-locally (no collective per step); at every step a checkpoint is taken, :meth:`EpochMeter.sync`
-folds every rank's figures since the last sync into totals that are the same on every rank
+locally (no collective per step); at every step a checkpoint is taken (periodic or at an
+agreed stop), :meth:`EpochMeter.sync` folds every rank's figures since the last sync into totals that are the same on every rank
 (one all-reduce of three float64 values), so rank 0's copy in the checkpoint is everyone's.
 An uninterrupted run syncs at the same checkpoint steps, so a resumed epoch adds the same
 partial sums in the same order: its train loss and samples are bitwise those of the
@@ -31,8 +31,9 @@ from ddpkit.training.step import StepResult
 class EpochMeter:
     """Train loss, samples and training seconds of the current epoch, resumable mid-epoch.
 
-    Put it in the :class:`~ddpkit.CheckpointManager`'s state and call :meth:`sync` before
-    every save: a resume then restores the figures of the epoch's steps up to the checkpoint.
+    Put it in the :class:`~ddpkit.CheckpointManager`'s state: every save calls
+    :meth:`before_checkpoint` (a :meth:`sync`) first, so a resume restores the figures of the
+    epoch's steps up to the checkpoint.
 
     Attributes:
         epoch: the epoch (1-based) the figures belong to; 0 before the first.
@@ -49,9 +50,7 @@ class EpochMeter:
         >>> meter.start(epoch, step)                      # doctest: +SKIP
         >>> for result in train_epoch(train_step, loader):
         ...     meter.add(result)
-        ...     if ckpt.every_steps and result.step % ckpt.every_steps == 0:
-        ...         meter.sync(runtime, result.step)
-        ...     ckpt.maybe_save(result.step)
+        ...     ckpt.maybe_save(result.step)  # a save syncs the meter first
         >>> figures = meter.finish(runtime, step)
     """
 
@@ -97,6 +96,12 @@ class EpochMeter:
         self.totals = [total + value for total, value in zip(self.totals, added, strict=True)]
         self.synced_step = step
         self._local, self._mark = EpochLoss(), now
+
+    def before_checkpoint(self, runtime: Runtime, step: int) -> None:
+        """:meth:`sync` at the start of every :meth:`CheckpointManager.save
+        <ddpkit.CheckpointManager.save>` (periodic, or at a stop step agreed after a signal), so
+        the checkpoint holds every rank's sums through ``step``. Collective, as :meth:`sync`."""
+        self.sync(runtime, step)
 
     def finish(self, runtime: Runtime, step: int) -> dict[str, Any]:
         """The epoch's figures once its last step (``step``) ran.

@@ -8,11 +8,13 @@ Run it (the launcher starts the ranks; this module is what each rank executes)::
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 import os
 import signal
 import time
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -24,13 +26,16 @@ from torch.nn.parallel import DistributedDataParallel
 from ddpkit.app.mnist.config import TrainConfig, check
 from ddpkit.app.mnist.data import DataSource
 from ddpkit.app.mnist.epoch_meter import EpochMeter, coverage_note
+from ddpkit.app.mnist.goodput import Goodput, goodput_line
 from ddpkit.app.mnist.model import build_model, build_optimizer, optimizer_spec
 from ddpkit.app.mnist.monitor import TrainingMonitor
 from ddpkit.app.mnist.outputs import finite_or_none, reset_outputs
 from ddpkit.app.mnist.resume import BatchPlan, checkpoint_settings, plan_batch
+from ddpkit.app.mnist.stopping import check_grace_period, slow_evaluation
 from ddpkit.checkpoint.manager import CheckpointManager
 from ddpkit.distributed.process_group import Runtime
 from ddpkit.distributed.sampler import ShardedLoader, build_eval_loader, build_train_loader
+from ddpkit.distributed.stop import TrainingStopped
 from ddpkit.errors import ConfigError
 from ddpkit.files import write_json_atomic
 from ddpkit.guards.nonfinite import NonFiniteError, NonFiniteGuard, check_replicas
@@ -184,6 +189,8 @@ class MnistTraining:
             record covers the whole epoch).
         settings: the settings a resumed run must share with its checkpoint.
         num_train: training samples; num_test: test samples.
+        goodput: this attempt's time split (:mod:`ddpkit.app.mnist.goodput`), once training
+            starts.
     """
 
     model: nn.Module
@@ -200,6 +207,7 @@ class MnistTraining:
     settings: dict[str, Any]
     num_train: int
     num_test: int
+    goodput: Goodput | None = None
 
     @property
     def averager(self) -> Any:
@@ -334,16 +342,13 @@ def train_mnist(config: TrainConfig, runtime: Runtime, source: DataSource) -> di
         timer=timer, start_step=first_step,
     )  # fmt: skip
     _log_setup(config, runtime, source.dataset, job)
-    try:
+    check_grace_period(job.ckpt, runtime)
+    job.goodput = Goodput(output_dir, runtime, first_step)
+    with _where_it_stopped(config, job, train_step, monitor):
+        job.ckpt.maybe_save(first_step)  # a stop signal now waits for a step boundary
         test, train_time_s, samples_total = _train_epochs(
             config, runtime, job, train_step, monitor, kill_at
         )
-    except KeyboardInterrupt:  # Ctrl-C: the launcher's one line names where it stopped (#16)
-        step = train_step.num_steps
-        epoch = step // max(train_step.num_optimizer_steps(len(job.train_loader)), 1) + 1
-        raise KeyboardInterrupt(f"after step {step} (epoch {epoch}/{config.epochs})") from None
-    finally:
-        monitor.close()
     job.ckpt.wait()  # --async-checkpoint: the last save committed (a no-op otherwise)
     if test is None:  # resumed from a checkpoint taken at the very end: evaluate it
         test = evaluate(job.model, job.test_loader, runtime)
@@ -364,9 +369,36 @@ def train_mnist(config: TrainConfig, runtime: Runtime, source: DataSource) -> di
         ),
     }
     summary = {k: finite_or_none(v) if isinstance(v, float) else v for k, v in summary.items()}
+    summary["goodput"] = job.goodput.finish("completed", job.ckpt.save_s)
     summary["config"] = asdict(config)
+    if summary["goodput"]:
+        get_logger("train").info(goodput_line(summary["goodput"]))
     _write_outputs(output_dir, runtime, job.model, summary)
     return summary
+
+
+@contextlib.contextmanager
+def _where_it_stopped(
+    config: TrainConfig, job: MnistTraining, train_step: TrainStep, monitor: TrainingMonitor
+) -> Iterator[None]:
+    """A stop signal's (#14) or Ctrl-C's (#16) step and epoch, for the launcher's one line."""
+    try:
+        yield
+    except TrainingStopped as stopped:
+        stopped.note = _epoch_note(config, job, train_step)
+        job.goodput.finish("stopped", job.ckpt.save_s)
+        raise
+    except KeyboardInterrupt:
+        note = _epoch_note(config, job, train_step)
+        raise KeyboardInterrupt(f"after step {train_step.num_steps} {note}") from None
+    finally:
+        monitor.close()
+
+
+def _epoch_note(config: TrainConfig, job: MnistTraining, train_step: TrainStep) -> str:
+    """``"(epoch 2/5)"``: the epoch the current step is in."""
+    per_epoch = max(train_step.num_optimizer_steps(len(job.train_loader)), 1)
+    return f"(epoch {max(train_step.num_steps - 1, 0) // per_epoch + 1}/{config.epochs})"
 
 
 def _train_epochs(
@@ -395,7 +427,10 @@ def _train_epochs(
             job.averager.average_now(job.inner_optimizer.param_groups)
         train_time_s += epoch_s
         samples_total += num_samples
+        eval_start = time.perf_counter()
+        slow_evaluation()  # a testing hook (DDPKIT_TEST_SLOW_EVAL_S)
         test = evaluate(job.model, job.test_loader, runtime)
+        job.goodput.add_evaluation(time.perf_counter() - eval_start)
         record = {
             "epoch": epoch,
             "train_loss": train_loss,
@@ -430,6 +465,7 @@ def _train_one_epoch(
     figures (:meth:`EpochMeter.finish`). Collective: call on every rank."""
     model, comm_stats, averager, meter = job.model, job.comm_stats, job.averager, job.meter
     meter.start(job.train_loader.epoch + 1, train_step.num_steps)
+    job.goodput.start_steps()
     for result in train_epoch(train_step, job.train_loader, join=config.join):
         step = result.step
         if not result.skipped:  # the schedule counts the optimizer's real steps
@@ -442,9 +478,9 @@ def _train_one_epoch(
         if config.check_replicas_every and step % config.check_replicas_every == 0:
             if averager is None or averager.just_averaged:  # local SGD: equal only then
                 check_replicas(model, runtime, step=step)
-        if job.ckpt.every_steps and step % job.ckpt.every_steps == 0:
-            meter.sync(runtime, step)  # the checkpoint holds every rank's sums so far
-        job.ckpt.maybe_save(step)
+        job.goodput.on_step(step, job.ckpt.save_s)  # the step is trained: record it first
+        job.ckpt.maybe_save(step)  # also at a step the ranks agreed to stop at (a signal);
+        # every save first folds the ranks' epoch sums (EpochMeter.before_checkpoint)
         monitor.on_step(step, result)
     return meter.finish(runtime, train_step.num_steps)  # collective
 

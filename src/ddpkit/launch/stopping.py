@@ -1,0 +1,126 @@
+"""How ``ddpkit run`` stops a job on a signal, and the one line that says where it stopped.
+
+torchrun does the passing on: with ``--signals-to-handle`` it catches the stop signals too
+(SIGUSR1 is not in its default set), sends the same signal to every worker and SIGKILLs those
+still alive after ``--shutdown-timeout`` seconds: ddpkit's ``--grace-period`` (default 30 s,
+torchrun's own default). The workers (:mod:`ddpkit.distributed.stop`) agree on a step, save it
+and exit 0, each leaving a stop record; this module reads the records and prints one line: the
+signal, the step, the checkpoint and the command that resumes. A second signal to the launcher
+interrupts torchrun's wait: torchrun then sends SIGTERM, which the workers take as "stop now".
+
+While torchrun starts the workers the stop signals are blocked in the launcher's main thread,
+so every worker starts with them blocked (a signal mask survives fork and exec): a signal that
+reaches a rank while it imports torch or joins the rendezvous stays pending until the rank's
+runtime waits for it, instead of ending the rank. The launcher itself still receives them: a
+helper thread keeps them unblocked, and Python runs the handler in the main thread.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import signal
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from ddpkit.diagnostics.failures import StopRecord, count_done_records, read_stop_records
+
+if TYPE_CHECKING:
+    from ddpkit.launch.launcher import LaunchSpec
+
+TORCHRUN_SIGNALS = ("SIGTERM", "SIGINT", "SIGHUP", "SIGQUIT")  # its --signals-to-handle default
+
+
+def signals_to_handle(stop_signals: tuple[signal.Signals, ...]) -> str:
+    """torchrun's ``--signals-to-handle``: its default set plus the stop signals."""
+    names = list(TORCHRUN_SIGNALS) + [s.name for s in stop_signals]
+    return ",".join(dict.fromkeys(names))
+
+
+@contextlib.contextmanager
+def blocked_while_workers_start(stop_signals: tuple[signal.Signals, ...]) -> Iterator[None]:
+    """Block ``stop_signals`` in this thread (workers started inside inherit them blocked);
+    afterwards unblock them and put back the handlers torchrun replaced."""
+    if not stop_signals or threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    names = set(TORCHRUN_SIGNALS) | {s.name for s in stop_signals}
+    handlers = {sig: signal.getsignal(sig) for sig in map(signal.Signals.__getitem__, names)}
+    done = threading.Event()
+    receiver = threading.Thread(target=done.wait, name="ddpkit-signal-receiver", daemon=True)
+    receiver.start()  # created before the block: the launcher still receives the signals
+    previous = signal.pthread_sigmask(signal.SIG_BLOCK, stop_signals)
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, previous)
+        done.set()
+        for sig, handler in handlers.items():  # torchrun leaves its own handlers installed
+            signal.signal(sig, handler if handler is not None else signal.SIG_DFL)
+
+
+def _where(records: list[StopRecord], spec: LaunchSpec) -> tuple[str, bool]:
+    """``("after step 250 (epoch 2/5)", clean)``: ``clean`` when every rank of this node
+    stopped at that step by itself (no stop now, none killed at the end of the grace period)."""
+    if not records:
+        return "before the ranks agreed on a step (their runtime was not waiting for it)", False
+    first = records[0]
+    if any(r.now for r in records):
+        return f"at once (a second {next(r.signal for r in records if r.now)})", False
+    where = f"after step {first.step}{f' {first.note}' if first.note else ''}"
+    missing = sorted(set(range(spec.nproc)) - {r.rank % spec.nproc for r in records})
+    if missing:
+        ranks = ", ".join(map(str, missing))
+        return (
+            f"{where}, but local rank(s) {ranks} did not stop within the grace period "
+            f"({spec.grace_period_s} s) and were killed (SIGKILL)",
+            False,
+        )
+    return where, True
+
+
+def _kept(records: list[StopRecord], spec: LaunchSpec, clean: bool) -> str:
+    """The end of the line: the checkpoint and the command that resumes."""
+    if spec.on_interrupt is not None:
+        return spec.on_interrupt(saved=clean)
+    newest = next((r.checkpoint for r in records if r.checkpoint), None)
+    resume = f"; resume with: {spec.resume_command}" if spec.resume_command else ""
+    if newest is None:
+        return f"; no checkpoint was saved{resume}"
+    label = "saved: checkpoint" if clean else "the newest complete checkpoint is"
+    return f"; {label} {Path(newest).name} in {Path(newest).parent}{resume}"
+
+
+def stop_line(spec: LaunchSpec, run_dir: str, received: signal.Signals | None) -> tuple[str, int]:
+    """The launcher's last line after a stop signal, and its exit status (128 + the signal).
+
+    A signal that arrived after the ranks' last stop check finds the job completing: the line
+    says so and the status is 0.
+
+    Args:
+        spec: the launch.
+        run_dir: the run folder the workers wrote their stop records to.
+        received: the signal the launcher itself received, or ``None`` (it reached only the
+            workers: they stopped, torchrun saw every worker exit 0).
+    """
+    records = read_stop_records(run_dir)
+    sig = received or signal.Signals[records[0].signal]
+    if not records and count_done_records(run_dir) >= spec.nproc:
+        return (
+            f"{spec.command}: {sig.name} arrived as the job was finishing: it completed (all "
+            f"{spec.world_size} processes ran to their end).",
+            0,
+        )
+    where, clean = _where(records, spec)
+    label = "interrupted (Ctrl-C)" if sig == signal.SIGINT else f"stopped by {sig.name}"
+    line = (
+        f"{spec.command}: {label} {where}; all {spec.world_size} processes stopped"
+        f"{_kept(records, spec, clean)}"
+    )
+    return line, 128 + int(sig)
+
+
+def stopped_by_workers(run_dir: str) -> bool:
+    """Whether the workers left stop records (torchrun returned normally after a stop)."""
+    return bool(read_stop_records(run_dir))

@@ -1,0 +1,232 @@
+"""The stop-signal request of one process: parsing, handlers, the usual effect before the program
+asks, duplicates, "stop now", the check cadence, and the checkpoint manager saving at a stop."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+import ddpkit
+from ddpkit.distributed import stop as stop_module
+from ddpkit.distributed.env import ProcessInfo
+from ddpkit.distributed.stop import (
+    StopRequest,
+    TrainingStopped,
+    default_stop_signals,
+    grace_period_s,
+    parse_stop_signals,
+)
+from ddpkit.errors import ConfigError
+
+
+@pytest.fixture
+def request_usr1():
+    """A StopRequest on SIGUSR1 and SIGUSR2, installed; handlers restored afterwards."""
+    before = {s: signal.getsignal(s) for s in (signal.SIGUSR1, signal.SIGUSR2)}
+    request = StopRequest((signal.SIGUSR1, signal.SIGUSR2))
+    assert request.install()
+    yield request
+    request.clear()
+    request.restore()
+    assert {s: signal.getsignal(s) for s in before} == before
+
+
+def _deliver(sig: int) -> None:
+    """Send ``sig`` to this process and let the main thread run its Python handler."""
+    os.kill(os.getpid(), sig)
+    time.sleep(0.01)
+
+
+def test_parse_names_numbers_and_none():
+    assert parse_stop_signals("SIGTERM, usr1,2") == (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
+    assert parse_stop_signals("none") == () == parse_stop_signals("")
+    assert parse_stop_signals("TERM,SIGTERM") == (signal.SIGTERM,)
+    with pytest.raises(ConfigError, match="SIGKILL.*bogus|bogus.*SIGKILL") as err:
+        parse_stop_signals("SIGKILL,bogus")
+    assert "cannot be caught" in str(err.value)
+
+
+def test_defaults_and_grace_from_the_environment():
+    assert default_stop_signals({}) == (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1)
+    assert default_stop_signals({"DDPKIT_STOP_SIGNALS": "SIGUSR2"}) == (signal.SIGUSR2,)
+    assert grace_period_s({}) is None  # no launcher: nobody SIGKILLs this process
+    assert grace_period_s({"TORCHELASTIC_RUN_ID": "x"}) == 30.0  # torchrun's default
+    assert grace_period_s({"TORCHELASTIC_RUN_ID": "x", "TORCH_ELASTIC_SHUTDOWN_TIMEOUT": "7"}) == 7
+    assert (
+        grace_period_s({"DDPKIT_GRACE_PERIOD_S": "12", "TORCH_ELASTIC_SHUTDOWN_TIMEOUT": "7"}) == 12
+    )
+
+
+def test_training_stopped_is_an_exit_with_128_plus_the_signal():
+    stopped = TrainingStopped(signal.SIGTERM, step=250, checkpoint="ck/step-00000250", saved=True)
+    assert isinstance(stopped, SystemExit) and stopped.code == 143
+    assert str(stopped) == "stopped by SIGTERM after step 250; saved checkpoint ck/step-00000250"
+    assert TrainingStopped(signal.SIGINT, now=True).code == 130
+    assert "second SIGUSR1" in str(TrainingStopped(signal.SIGUSR1, now=True))
+
+
+def test_before_the_program_asks_a_signal_has_its_usual_effect():
+    calls = []
+    signal.signal(signal.SIGUSR1, lambda s, f: calls.append(s))  # the program's own handler
+    request = StopRequest((signal.SIGUSR1,))
+    try:
+        assert request.install()
+        _deliver(signal.SIGUSR1)
+        assert calls == [signal.SIGUSR1] and request.received is None
+        request.arm()
+        _deliver(signal.SIGUSR1)
+        assert calls == [signal.SIGUSR1] and request.received == signal.SIGUSR1  # deferred
+    finally:
+        request.restore()
+        signal.signal(signal.SIGUSR1, signal.SIG_DFL)
+
+
+def test_ctrl_c_before_the_program_asks_raises_keyboard_interrupt():
+    signal.signal(signal.SIGINT, signal.default_int_handler)  # Python's, as in a terminal
+    request = StopRequest((signal.SIGINT,))
+    assert request.install()
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            _deliver(signal.SIGINT)
+    finally:
+        request.restore()
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+
+
+def test_one_process_agrees_at_once_and_repeats_are_the_same_request(request_usr1):
+    runtime = ddpkit.Runtime(ProcessInfo(), stop=request_usr1)
+    assert runtime.stop_requested() is False  # arms
+    _deliver(signal.SIGUSR1)
+    _deliver(signal.SIGUSR1)  # within the duplicate window: the same request, no "stop now"
+    assert runtime.stop_requested() is True and request_usr1.agreed == signal.SIGUSR1
+    assert runtime.stop_requested() is True  # stays agreed
+
+
+def test_a_second_signal_means_stop_now_and_a_third_has_its_usual_effect():
+    calls = []
+    signal.signal(signal.SIGUSR2, lambda s, f: calls.append(s))  # what was there before
+    request = StopRequest((signal.SIGUSR1, signal.SIGUSR2))
+    try:
+        assert request.install()
+        request.arm()
+        _deliver(signal.SIGUSR1)
+        with pytest.raises(TrainingStopped) as stopped:
+            _deliver(signal.SIGUSR2)  # another stop signal: at once
+        assert stopped.value.now and stopped.value.signal == signal.SIGUSR2
+        _deliver(signal.SIGUSR2)
+        assert calls == [signal.SIGUSR2]  # the handler that was there before ran
+    finally:
+        request.clear()
+        request.restore()
+        signal.signal(signal.SIGUSR2, signal.SIG_DFL)
+
+
+def test_after_a_stop_the_closed_runtime_still_swallows_the_duplicate():
+    calls = []
+    signal.signal(signal.SIGUSR1, lambda s, f: calls.append(s))  # what was there before
+    request = StopRequest((signal.SIGUSR1,))
+    try:
+        assert request.install()
+        request.arm()
+        _deliver(signal.SIGUSR1)
+        request.restore()  # the runtime closes after the stop
+        _deliver(signal.SIGUSR1)  # torchrun's late copy: the process must not end from it
+        assert calls == []
+        time.sleep(stop_module.DUPLICATE_WINDOW_S)
+        _deliver(signal.SIGUSR1)  # later: the signal's usual effect
+        assert calls == [signal.SIGUSR1]
+    finally:
+        request.clear()
+        request.restore()
+        signal.signal(signal.SIGUSR1, signal.SIG_DFL)
+
+
+def test_the_same_signal_after_the_window_is_stop_now(request_usr1, monkeypatch):
+    monkeypatch.setattr(stop_module, "DUPLICATE_WINDOW_S", 0.05)
+    request_usr1.arm()
+    _deliver(signal.SIGUSR1)
+    time.sleep(0.1)
+    with pytest.raises(TrainingStopped, match="second SIGUSR1"):
+        _deliver(signal.SIGUSR1)
+
+
+def test_check_interval_keeps_the_checks_within_budget_and_a_second_apart():
+    request = StopRequest((signal.SIGUSR1,))
+    assert request._next_interval(0.0) == 1  # no measurement yet: check at the next call
+    request._calls, request._mark, request._check_s = 10, (100.0, 0), 0.00018
+    # 10 calls in 0.05 s (5 ms each); a check of 0.18 ms: 1 % needs a check every 4 calls
+    assert request._next_interval(100.05) == 4
+    request._check_s = 0.5  # a slow check: as rare as 20 calls apart allows
+    assert request._next_interval(100.05) == 20
+    request._calls, request._mark = 2, (0.0, 0)  # 2 calls in 0.25 s, a 0.5 s check:
+    assert request._next_interval(0.25) == 8  # 1 s of training between checks
+    request._mark = (100.0, 9)  # one call took 2 s: check at every call
+    assert request._next_interval(102.0) == 1
+
+
+def _state():
+    model = torch.nn.Linear(2, 2)
+    return {"model": model, "optimizer": torch.optim.SGD(model.parameters(), lr=0.1)}
+
+
+def test_maybe_save_saves_the_agreed_step_then_raises(tmp_path, request_usr1):
+    runtime = ddpkit.Runtime(ProcessInfo(), stop=request_usr1)
+    ckpt = ddpkit.CheckpointManager(tmp_path, runtime, state=_state(), every_steps=4)
+    assert ckpt.maybe_save(1) is None
+    request_usr1.arm()  # maybe_save armed it already; explicit, so a regression fails, not kills
+    _deliver(signal.SIGUSR1)
+    with pytest.raises(TrainingStopped) as stopped:
+        ckpt.maybe_save(3)
+    assert stopped.value.step == 3 and stopped.value.saved
+    assert stopped.value.checkpoint == tmp_path / "step-00000003"
+    assert (tmp_path / "step-00000003" / "manifest.json").is_file()
+    assert ckpt.save_s > 0
+    # a resumed run stopped before its first new step saves nothing new
+    again = ddpkit.CheckpointManager(tmp_path, runtime, state=_state())
+    assert again.resume() == 3
+    with pytest.raises(TrainingStopped) as stopped:
+        again.maybe_save(3)
+    assert not stopped.value.saved and stopped.value.checkpoint == tmp_path / "step-00000003"
+
+
+def test_without_stop_signals_the_runtime_never_stops(tmp_path):
+    runtime = ddpkit.Runtime(ProcessInfo())
+    assert runtime.stop is None and runtime.stop_requested() is False
+
+
+UNANSWERED = """
+import os, signal, sys, time
+from ddpkit.distributed.stop import StopRequest
+request = StopRequest((signal.SIGTERM,), fallback_s=0.5)
+request.install()
+request.arm()
+print("ready", flush=True)
+time.sleep(30)  # a loop that no longer asks
+"""
+
+
+def test_a_request_no_step_answers_ends_the_process_after_the_fallback():
+    start = time.monotonic()
+    proc = subprocess.Popen(
+        [sys.executable, "-c", UNANSWERED],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert proc.stdout.readline().strip() == "ready"
+        proc.send_signal(signal.SIGTERM)
+        code = proc.wait(timeout=20)
+    finally:
+        proc.kill()
+        proc.wait()
+    errors = proc.stderr.read()
+    assert code == 143, errors
+    assert "SIGTERM: no step boundary asked for the stop within 0.5 s" in errors, errors
+    assert time.monotonic() - start < 15
