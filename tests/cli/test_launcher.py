@@ -195,7 +195,10 @@ def _run_spec(*flags: str) -> LaunchSpec:
     from ddpkit.cli import build_parser
     from ddpkit.cli.run import launch_spec
 
-    return launch_spec(build_parser().parse_args(["run", "-n", "1", *flags, "train.py"]))
+    argv = ["run", "-n", "1", *flags, "train.py"]
+    args = build_parser().parse_args(argv)
+    args.argv = argv  # as ddpkit.cli.main sets it (the stop line's resume command)
+    return launch_spec(args)
 
 
 def test_elastic_nodes_get_restarts_and_torchrun_gets_min_max_and_the_timings():

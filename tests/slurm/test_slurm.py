@@ -263,8 +263,7 @@ def test_sbatch_job_stopped_by_usr1_requeues_itself_and_resumes(
     def checkpointed() -> bool:
         return any((out / "checkpoints").glob("step-*")) or state() == "COMPLETED"
 
-    # a complete checkpoint: every rank is in the training loop (a signal sent before a rank
-    # has installed its handler would kill it; USR1's default action)
+    # a complete checkpoint: every rank is in the training loop
     _wait_for("first checkpoint", checkpointed, 150, details)
     assert state() == "RUNNING", f"the job ended before it could be signalled\n{details()}"
     slurm_cluster.run(["scancel", "--signal=USR1", "--batch", job_id], timeout_s=30)
@@ -277,9 +276,14 @@ def test_sbatch_job_stopped_by_usr1_requeues_itself_and_resumes(
     # the second run resumed from a checkpoint of the first
     resumed = re.findall(r"resumed from \S+ \(step (\d+)\)", text)
     assert len(resumed) == 1, text
-    # With the periodic checkpoints only (USR1 ends a rank: its default action), the resume is
-    # at the newest multiple of --checkpoint-every before the signal.
-    assert int(resumed[0]) >= 10 and int(resumed[0]) % 10 == 0, text
+    # USR1 stopped every rank after the same step with a checkpoint at it (issue 14): the
+    # requeued run resumes at exactly that step, 0 steps lost (not the last periodic one)
+    stopped = re.findall(
+        r"stopped by SIGUSR1 after step (\d+) .*saved: checkpoint step-(\d+)", text
+    )
+    assert len(stopped) == 1 and int(stopped[0][0]) == int(stopped[0][1]), text
+    assert int(resumed[0]) == int(stopped[0][0]), text
+    assert "resume: rerun the same srun command with --resume auto" in text, text
     summary = json.loads((out / "summary.json").read_text())
     assert summary["final_step"] == 135
     assert _same_model(out, reference)  # exactly the uninterrupted job's parameters

@@ -134,7 +134,7 @@ def probe_write_s(directory: Path, state: dict[str, Any]) -> float:
     start = time.perf_counter()
     try:
         tmp.mkdir(exist_ok=True)
-        _write_files(tmp, 0, state, {})
+        _write_files(tmp, 0, state, {}, {})
         return time.perf_counter() - start
     finally:
         shutil.rmtree(tmp, ignore_errors=True)

@@ -233,6 +233,12 @@ def write_done_record(run_dir: str | os.PathLike[str]) -> Path:
     return path
 
 
+def newest_done_time(run_dir: str | os.PathLike[str]) -> float:
+    """When the last worker that ran its script to its end wrote its record (``time.time()``
+    seconds; 0 when none did)."""
+    return max((p.stat().st_mtime for p in Path(run_dir).glob("done-r*-rank*")), default=0.0)
+
+
 def count_done_records(run_dir: str | os.PathLike[str]) -> int:
     """How many workers of the newest attempt that has any ran their script to its end."""
     restarts = [int(p.name.split("-")[1][1:]) for p in Path(run_dir).glob("done-r*-rank*")]

@@ -24,7 +24,12 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from ddpkit.diagnostics.failures import StopRecord, count_done_records, read_stop_records
+from ddpkit.diagnostics.failures import (
+    StopRecord,
+    count_done_records,
+    newest_done_time,
+    read_stop_records,
+)
 
 if TYPE_CHECKING:
     from ddpkit.launch.launcher import LaunchSpec
@@ -122,5 +127,13 @@ def stop_line(spec: LaunchSpec, run_dir: str, received: signal.Signals | None) -
 
 
 def stopped_by_workers(run_dir: str) -> bool:
-    """Whether the workers left stop records (torchrun returned normally after a stop)."""
-    return bool(read_stop_records(run_dir))
+    """Whether the job's last workers stopped on a signal (torchrun returned normally after a
+    stop), rather than ran to their end.
+
+    Stop records of earlier workers do not count when later ones completed: torchrun's agent
+    stops the workers with SIGTERM to restart them when a node joins an elastic job (the
+    restart count stays the same), they save at an agreed step as for any stop signal, and the
+    restarted workers go on to the end.
+    """
+    records = read_stop_records(run_dir)
+    return bool(records) and max(r.time_s for r in records) > newest_done_time(run_dir)

@@ -6,16 +6,17 @@ be recorded from the steps after the resume only: a lower train loss, fewer samp
 time. :class:`EpochMeter` is part of the checkpointed state instead, so the resumed epoch's
 record covers every step of the epoch, and says that it was resumed.
 
-How the sums stay exact and replicated: each rank adds its own steps' losses and samples
-locally (no collective per step); at every step a checkpoint is taken (periodic or at an
-agreed stop), :meth:`EpochMeter.sync` folds every rank's figures since the last sync into totals that are the same on every rank
-(one all-reduce of three float64 values), so rank 0's copy in the checkpoint is everyone's.
-An uninterrupted run syncs at the same checkpoint steps, so a resumed epoch adds the same
-partial sums in the same order: its train loss and samples are bitwise those of the
-uninterrupted run. Its seconds are the training seconds of the steps that count (each
-attempt's time up to the checkpoint it resumed from, then the resumed part), the mean over the
-ranks: the time lost to the restart and to steps that were redone is not in them.
-"""
+How the sums stay exact and replicated: each rank adds its own steps' losses and samples locally
+(no collective per step); at every step a checkpoint is taken (periodic or at an agreed stop),
+:meth:`EpochMeter.sync` folds every rank's figures since the last sync into totals that are the
+same on every rank (one all-reduce of three float64 values), so rank 0's copy in the checkpoint
+is everyone's. An uninterrupted run syncs at the same checkpoint steps, so a resumed epoch adds
+the same partial sums in the same order: its train loss and samples are bitwise those of the
+uninterrupted run (an epoch stopped by a signal folds once more, at its stop step, so its loss
+may differ from the uninterrupted run's in the last bits). Its seconds are the training seconds
+of the steps that count (each attempt's time up to the checkpoint it resumed from, then the
+resumed part), the mean over the ranks: the time lost to the restart and to steps that were
+redone is not in them."""
 
 from __future__ import annotations
 

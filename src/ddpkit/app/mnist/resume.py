@@ -160,8 +160,8 @@ def stop_note(stopped: TrainingStopped, output_dir: str | os.PathLike[str], argv
     """The one line of a ``ddpkit train`` that trained in this process (one process, or plain
     torchrun) and stopped on a signal: where, the checkpoint, how to resume.
 
-    ``argv``: the user's ``ddpkit`` arguments (``[]`` under torchrun, whose command ddpkit does
-    not know: the line says to rerun it with ``--resume auto``).
+    ``argv``: the user's ``ddpkit`` arguments (``[]`` under torchrun or srun, whose command ddpkit
+    does not know: the line says to rerun it with ``--resume auto``).
     """
     label = (
         "interrupted (Ctrl-C)"
@@ -181,5 +181,6 @@ def stop_note(stopped: TrainingStopped, output_dir: str | os.PathLike[str], argv
         kept = (
             f"; {label_kept} {found[0].name} in {found[0].parent}" if found else "; no checkpoint"
         )
-        note = f"{kept}; resume: rerun the same torchrun command with --resume auto"
+        launcher = "srun" if "SLURM_JOB_ID" in os.environ else "torchrun"
+        note = f"{kept}; resume: rerun the same {launcher} command with --resume auto"
     return f"ddpkit train: {label} {where}{note}"
