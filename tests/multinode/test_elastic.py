@@ -40,7 +40,11 @@ from tests.multinode.netns import (
 )
 
 pytestmark = pytest.mark.slow
-EPOCHS, STEP_S = 2, 0.1  # the script: 20 steps of 6 x 3 ranks per epoch, 30 of 6 x 2
+EPOCHS, STEP_S, SHRUNK_STEP_S = (
+    2,
+    0.1,
+    0.5,
+)  # the script: 20 steps of 6 x 3 ranks an epoch, 30 of 6 x 2
 
 
 @pytest.fixture
@@ -78,7 +82,9 @@ def _check_bound(nodes: list[Node]) -> None:
 @pytest.mark.timeout(420)
 def test_lost_node_survivors_resume_on_two_then_the_node_rejoins(nodes, tmp_path, monkeypatch):
     monkeypatch.setenv("DDPKIT_JOB_TOKEN", "elastic-" + "0123456789abcdef")  # every group checks it
-    job = [str(tmp_path), str(EPOCHS), str(STEP_S)]
+    # on 2 ranks, 0.5 s a step: the 40 steps left give the node started again (its launcher
+    # imports torch, seconds on a loaded machine) 20 s to reach the rendezvous before the end
+    job = [str(tmp_path), str(EPOCHS), str(STEP_S), str(SHRUNK_STEP_S)]
     first = [start_ddpkit(node, rank, nodes[0], job) for rank, node in enumerate(nodes)]
     wait_for(tmp_path, first, "a checkpoint on 3 ranks", saved(3, 8))
     _check_bound(nodes)

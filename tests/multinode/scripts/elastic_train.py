@@ -1,16 +1,18 @@
 """The README's own loop, elastic: it logs what every process trains, for the sample count.
 
     ddpkit run -n 1 --nnodes 2:3 --node-rank R --rdzv-endpoint HOST:PORT \\
-        elastic_train.py OUT_DIR EPOCHS STEP_S
+        elastic_train.py OUT_DIR EPOCHS STEP_S [SHRUNK_STEP_S]
     torchrun --nnodes 2:3 --nproc-per-node 1 --rdzv-backend c10d --rdzv-endpoint HOST:PORT \\
-        elastic_train.py OUT_DIR EPOCHS STEP_S
+        elastic_train.py OUT_DIR EPOCHS STEP_S [SHRUNK_STEP_S]
 
 Each process appends JSON lines to ``OUT_DIR/log-<pid>.jsonl``: ``start`` (rank, world size,
 torchrun's restart count, the step ``resume()`` returned, when the process was created),
 ``step`` (epoch, step, the indices of the samples this rank trained on), ``saved`` (a complete
 checkpoint's step), ``done``. STEP_S paces the loop (seconds per step), so a node can be lost
-mid-epoch. Checkpoints go to ``OUT_DIR/checkpoints`` every 4 steps; a restarted process resumes
-from the newest one on whatever number of ranks the rendezvous gave it.
+mid-epoch; SHRUNK_STEP_S (default STEP_S) paces it while fewer than 3 ranks train, so that a
+node started again has time to join before the shrunk job ends. Checkpoints go to
+``OUT_DIR/checkpoints`` every 4 steps; a restarted process resumes from the newest one on
+whatever number of ranks the rendezvous gave it.
 """
 
 import json
@@ -34,6 +36,7 @@ def process_start_s() -> float:
 
 
 OUT, EPOCHS, STEP_S = sys.argv[1], int(sys.argv[2]), float(sys.argv[3])
+SHRUNK_STEP_S = float(sys.argv[4]) if len(sys.argv) > 4 else STEP_S
 # 360 = 20 steps of 6 x 3 ranks = 30 of 6 x 2: a multiple of 6 samples is done at every step,
 # so whatever is left of an epoch at a resume splits evenly over 2 or 3 ranks (no padding)
 NUM_SAMPLES, BATCH, EVERY_STEPS = 360, 6, 4
@@ -67,6 +70,6 @@ with ddpkit.init_runtime("gloo", init_timeout_s=60, train_timeout_s=30) as rt:
             note("step", epoch=epoch, step=step, samples=index.tolist())
             if ckpt.maybe_save(step) is not None:
                 note("saved", step=step)
-            time.sleep(STEP_S)
+            time.sleep(STEP_S if rt.world_size >= 3 else SHRUNK_STEP_S)
     note("done", step=step)
     print(f"rank {rt.rank} of {rt.world_size} done at step {step}", flush=True)
