@@ -49,6 +49,7 @@ with ddpkit.init_runtime() as rt:
 """
 
 
+@pytest.mark.slow
 def test_hint_is_printed_once_per_rank_under_ddpkit_run(tmp_path):
     # the Runtime adds the hint as a note (for plain torchrun); the bootstrap must not repeat it
     script = tmp_path / "attr.py"
@@ -71,6 +72,7 @@ with ddpkit.init_runtime() as rt:
 """
 
 
+@pytest.mark.slow
 def test_gloo_collective_mismatch_is_named_not_blamed_on_the_network(tmp_path):
     # plain torch: gloo's terminate message on one rank, "Connection reset by peer" on the
     # other, torchrun's "SIGABRT" root cause; ddpkit said "a peer stopped answering ... the

@@ -81,6 +81,7 @@ def test_exit_and_kill_name_the_rank(tmp_path, flags, expected):
     assert not [pid for pid in pids if pid_alive(pid)]
 
 
+@pytest.mark.slow
 def test_workers_die_with_a_killed_launcher(tmp_path):
     import os
     import signal

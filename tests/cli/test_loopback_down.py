@@ -47,6 +47,7 @@ def _in_fresh_namespace(args: list[str], timeout_s: float = 90) -> tuple[int, st
     return proc.returncode, proc.stdout, proc.stderr, time.monotonic() - start
 
 
+@pytest.mark.slow
 def test_train_with_loopback_down_fails_in_seconds_with_one_line(tmp_path):
     pytest.importorskip("sklearn")
     args = ["-m", "ddpkit", "train", "--nproc", "2", "--dataset", "digits"]
@@ -57,6 +58,7 @@ def test_train_with_loopback_down_fails_in_seconds_with_one_line(tmp_path):
     assert took_s < 60, took_s
 
 
+@pytest.mark.slow
 def test_run_with_loopback_down_fails_in_seconds_with_one_line(tmp_path):
     script = tmp_path / "noop.py"
     script.write_text("import ddpkit\nwith ddpkit.init_runtime() as rt:\n    pass\n")
@@ -66,6 +68,7 @@ def test_run_with_loopback_down_fails_in_seconds_with_one_line(tmp_path):
     assert err.startswith(f"ddpkit run: error: {FIX}") and "ip link set lo up" in err, err
 
 
+@pytest.mark.slow
 def test_init_runtime_with_loopback_down_says_so(tmp_path):
     # a hand-set rendezvous (python train.py with MASTER_ADDR/PORT): checked before the store
     script = tmp_path / "rank0.py"
@@ -84,6 +87,7 @@ def test_init_runtime_with_loopback_down_says_so(tmp_path):
     assert took_s < 60, took_s
 
 
+@pytest.mark.slow
 def test_doctor_with_loopback_down_names_the_fix():
     code, out, err, _ = _in_fresh_namespace(["-m", "ddpkit", "doctor"])
     assert code == 1, out + err

@@ -102,6 +102,7 @@ def test_job_listens_on_loopback_only_and_refuses_a_wrong_token(tmp_path):
     assert TOKEN not in out + err
 
 
+@pytest.mark.slow
 def test_bad_token_settings_are_refused_before_any_worker_starts(tmp_path):
     script = tmp_path / "job.py"
     script.write_text("raise SystemExit('a worker started')\n")

@@ -40,6 +40,7 @@ def test_data_dir_without_mnist_files_names_them(tmp_path, capsys):
     assert "missing train-images-idx3-ubyte" in err and "t10k-labels-idx1-ubyte" in err
 
 
+@pytest.mark.slow
 def test_corrupt_data_is_refused_before_any_worker_starts(mnist_dir, tmp_path, capsys):
     import gzip
     import shutil
@@ -66,6 +67,7 @@ def test_slurm_task_trains_in_place_instead_of_launching(tmp_path, capsys, monke
     assert "MASTER_ADDR, MASTER_PORT not set (launcher=slurm). Under srun, export" in err
 
 
+@pytest.mark.slow
 def test_console_error_has_no_traceback(tmp_path):
     result = run_cli(
         ["-m", "ddpkit", "train", "--data-dir", str(tmp_path / "missing")], timeout_s=60

@@ -124,7 +124,9 @@ def _replica_check_rank(runtime, ddp_options: dict, compiled: bool = False) -> l
     return outcomes
 
 
-@pytest.mark.parametrize("compiled", [False, True], ids=["ddp", "compiled-ddp"])
+@pytest.mark.parametrize(
+    "compiled", [False, pytest.param(True, marks=pytest.mark.slow)], ids=["ddp", "compiled-ddp"]
+)
 def test_replica_check_accepts_ddp_default_batchnorm(compiled):
     for outcomes in run_distributed(_replica_check_rank, 2, args=({}, compiled), timeout_s=120):
         assert outcomes == ["ok"] * NUM_STEPS

@@ -35,6 +35,7 @@ def _join_as(store, rank: int | None, world_size: int) -> str:
         return f"{time.monotonic() - start:.1f}|{exc}"
 
 
+@pytest.mark.slow
 def test_missing_ranks_are_named_within_the_init_timeout():
     results = run_distributed(_join_as, world_size=2, args=(None, 4), init=False, timeout_s=60)
     for result in results:
@@ -182,6 +183,7 @@ def _assert_names_the_ddp_fault(out: str) -> None:
     assert "unreachable" not in out and "Connection closed by peer" not in out  # no echo
 
 
+@pytest.mark.slow
 def test_rank0_only_torch_all_reduce_in_a_ddp_loop_is_a_named_deadlock(tmp_path):
     # plain torch: DDP and the user's all_reduce share the default group, gloo aborts (~4 s);
     # ddpkit: DDP runs on the training group, the two never meet -- hung until the 30 min
@@ -193,6 +195,7 @@ def test_rank0_only_torch_all_reduce_in_a_ddp_loop_is_a_named_deadlock(tmp_path)
     assert took_s < 30, f"{took_s:.1f} s from the fault to the end"
 
 
+@pytest.mark.slow
 def test_the_same_deadlock_under_plain_torchrun(tmp_path):
     # torchrun's own agent store (a TCPStore), no ddpkit launcher, no run directory
     launcher = ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
@@ -238,6 +241,7 @@ def _report_of(tmp_path, fn, world_size: int) -> str:
     return first.message
 
 
+@pytest.mark.slow
 def test_ddpkit_barrier_on_one_rank_only_is_a_named_deadlock(tmp_path):
     report = _report_of(tmp_path, _one_rank_barrier, world_size=3)
     here = "tests/distributed/test_watchdog.py"
@@ -255,6 +259,7 @@ def test_ddpkit_barrier_on_one_rank_only_is_a_named_deadlock(tmp_path):
         ), report
 
 
+@pytest.mark.slow
 def test_ddpkit_evaluate_on_one_rank_only_is_a_named_deadlock(tmp_path):
     report = _report_of(tmp_path, _one_rank_evaluate, world_size=2)
     here = "tests/distributed/test_watchdog.py"
@@ -276,6 +281,7 @@ def _rank0_sleeps_then_barrier(rt, sleep_s):
     return round(time.monotonic() - start, 1)
 
 
+@pytest.mark.slow
 def test_rank0_working_while_the_others_wait_at_a_barrier_is_no_deadlock():
     # init_runtime's defaults: deadlock_timeout_s=5, stall_timeout_s=300; the others wait 7 s.
     waited = run_distributed(_rank0_sleeps_then_barrier, 3, args=(7.0,), timeout_s=60)
@@ -299,6 +305,7 @@ def test_below_the_stall_threshold_is_no_alarm():
     assert waited[1] >= 0.5
 
 
+@pytest.mark.slow
 def test_a_busy_rank_past_the_stall_threshold_is_named_with_the_fix(tmp_path):
     from ddpkit.diagnostics.failures import read_records
     from ddpkit.testing import DistributedTestError
@@ -316,6 +323,7 @@ def test_a_busy_rank_past_the_stall_threshold_is_named_with_the_fix(tmp_path):
     assert "`with rt.main_process_first():`" in first.message and "--stall-timeout" in first.message
 
 
+@pytest.mark.slow
 def test_main_process_first_lets_rank0_work_past_the_stall_threshold():
     done = run_distributed(_sleep_under_thresholds, 3, args=(5.0, 2, True), init=False)
     assert done[0] + 0.0 <= min(done[1:]), done  # rank 0 finished its body before the others
