@@ -118,7 +118,9 @@ def test_every_flag_shown_with_a_command_is_in_its_help(doc, command, rest):
 def train_table_flags() -> list[str]:
     text = (REPO / "docs" / "train.md").read_text()
     table = text.split("## Options", 1)[1].split("\n## ", 1)[0]
-    rows = [line.split("|")[1] for line in table.splitlines() if line.startswith("| `")]
+    rows = [
+        re.split(r"(?<!\\)\|", line)[1] for line in table.splitlines() if line.startswith("| `")
+    ]
     return [flag for row in rows for flag in re.findall(r"`(--[\w-]+\*?)", row)]
 
 
