@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 import time
 from pathlib import Path
 
@@ -217,6 +218,20 @@ def test_the_arguments_after_the_module_are_the_modules():
     assert launch_spec(args).target == ["-m", "pkg.train", "--lr"]  # a leading -- is dropped
 
 
+def test_a_module_in_the_current_folder_is_found_as_the_workers_will_find_it(tmp_path, monkeypatch):
+    from ddpkit.launch.launcher import validate_spec
+
+    (tmp_path / "docpkg2").mkdir()
+    (tmp_path / "docpkg2" / "__init__.py").write_text("")
+    (tmp_path / "docpkg2" / "train.py").write_text("")
+    monkeypatch.chdir(tmp_path)  # the console script's sys.path has its own folder, not this one
+    monkeypatch.setattr(sys, "path", [p for p in sys.path if p not in ("", str(tmp_path))])
+    monkeypatch.delitem(sys.modules, "docpkg2", raising=False)  # removed again afterwards
+    path_before = list(sys.path)
+    validate_spec(LaunchSpec(["-m", "docpkg2.train"], 2))  # python -m (the workers): cwd first
+    assert sys.path == path_before  # the launcher's own sys.path is left as it was
+
+
 @pytest.mark.slow
 def test_a_module_gets_its_arguments_on_every_rank(tmp_path):
     (tmp_path / "docpkg").mkdir()
@@ -224,10 +239,10 @@ def test_a_module_gets_its_arguments_on_every_rank(tmp_path):
     (tmp_path / "docpkg" / "train.py").write_text(
         "import os, sys\nprint('ARGS', os.environ['RANK'], sys.argv[1:], flush=True)\n"
     )
+    # the console script, from the folder that holds the package (as torchrun -m runs it there)
+    ddpkit_script = str(Path(sys.executable).parent / "ddpkit")
     result = run_cli(
-        ["-m", "ddpkit", "run", "-n", "2", "-m", "docpkg.train", "--lr", "0.1"],
-        env={"PYTHONPATH": str(tmp_path)},
-        cwd=str(tmp_path),
+        [ddpkit_script, "run", "-n", "2", "-m", "docpkg.train", "--lr", "0.1"], cwd=str(tmp_path)
     )
     assert result.returncode == 0, result.stderr
     lines = sorted(line for line in result.stdout.splitlines() if line.startswith("ARGS"))
