@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 import time
 from pathlib import Path
 
@@ -202,6 +203,53 @@ def _run_spec(*flags: str) -> LaunchSpec:
     return launch_spec(args)
 
 
+def test_the_arguments_after_the_module_are_the_modules():
+    from ddpkit.cli import build_parser
+    from ddpkit.cli.run import launch_spec
+
+    # docs/launching.md and `ddpkit run --help`: ddpkit run -n 2 -m mypackage.train --lr 0.1
+    argv = ["run", "-n", "2", "-m", "pkg.train", "--lr", "0.1", "-n", "3"]
+    args = build_parser().parse_args(argv)
+    args.argv = argv
+    spec = launch_spec(args)
+    assert spec.nproc == 2
+    assert spec.target == ["-m", "pkg.train", "--lr", "0.1", "-n", "3"]
+    args = build_parser().parse_args(["run", "-n", "2", "-m", "pkg.train", "--", "--lr"])
+    args.argv = []
+    assert launch_spec(args).target == ["-m", "pkg.train", "--lr"]  # a leading -- is dropped
+
+
+def test_a_module_in_the_current_folder_is_found_as_the_workers_will_find_it(tmp_path, monkeypatch):
+    from ddpkit.launch.launcher import validate_spec
+
+    (tmp_path / "docpkg2").mkdir()
+    (tmp_path / "docpkg2" / "__init__.py").write_text("")
+    (tmp_path / "docpkg2" / "train.py").write_text("")
+    monkeypatch.chdir(tmp_path)  # the console script's sys.path has its own folder, not this one
+    monkeypatch.setattr(sys, "path", [p for p in sys.path if p not in ("", str(tmp_path))])
+    monkeypatch.delitem(sys.modules, "docpkg2", raising=False)  # removed again afterwards
+    path_before = list(sys.path)
+    validate_spec(LaunchSpec(["-m", "docpkg2.train"], 2))  # python -m (the workers): cwd first
+    assert sys.path == path_before  # the launcher's own sys.path is left as it was
+
+
+@pytest.mark.slow
+def test_a_module_gets_its_arguments_on_every_rank(tmp_path):
+    (tmp_path / "docpkg").mkdir()
+    (tmp_path / "docpkg" / "__init__.py").write_text("")
+    (tmp_path / "docpkg" / "train.py").write_text(
+        "import os, sys\nprint('ARGS', os.environ['RANK'], sys.argv[1:], flush=True)\n"
+    )
+    # the console script, from the folder that holds the package (as torchrun -m runs it there)
+    ddpkit_script = str(Path(sys.executable).parent / "ddpkit")
+    result = run_cli(
+        [ddpkit_script, "run", "-n", "2", "-m", "docpkg.train", "--lr", "0.1"], cwd=str(tmp_path)
+    )
+    assert result.returncode == 0, result.stderr
+    lines = sorted(line for line in result.stdout.splitlines() if line.startswith("ARGS"))
+    assert lines == ["ARGS 0 ['--lr', '0.1']", "ARGS 1 ['--lr', '0.1']"]
+
+
 def test_elastic_nodes_get_restarts_and_torchrun_gets_min_max_and_the_timings():
     from torch.distributed import run as torchrun
 
@@ -235,6 +283,8 @@ def test_elastic_world_size_limit_counts_every_node_that_may_join(monkeypatch, c
         (["-n", "2", "/no/such/script.py"], "script='/no/such/script.py' does not exist"),
         (["-n", "2"], "no script given"),
         (["-n", "2", "-m", "no_such_module_xyz"], "module='no_such_module_xyz' cannot be found"),
+        (["-n", "2", "-m", "no_such_xyz", "--lr", "1"], "module='no_such_xyz' cannot be found"),
+        (["-n", "2", "-m"], "no script given"),
         (["-n", "2", "--omp-num-threads", "0", "/"], "omp_num_threads=0 must be >= 1"),
         (["-n", "2", "/"], "script='/' is not a file"),
         (["-n", "1", "--nnodes", "2-3", "/"], "invalid --nnodes: nnodes='2-3'. Give a number"),

@@ -3,7 +3,9 @@
 Names: ``from ddpkit[.module] import A, B`` and ``ddpkit.a.b.C`` anywhere in README.md,
 docs/*.md (prose and code) or examples/*.py. Links: every relative ``[text](target)`` outside
 code blocks points to a file that exists, and a ``#anchor`` to a heading of that file (GitHub's
-slugs).
+slugs). Paths: every ``tests/...``, ``bench/...``, ``examples/...``, ``scripts/...``, ``src/...``
+or ``ddpkit/...`` path named outside code blocks exists, and a ``path::test_name`` names a test
+of that file.
 """
 
 from __future__ import annotations
@@ -124,3 +126,37 @@ def test_the_sbatch_script_in_the_slurm_docs_is_the_tested_file():
         r"^```bash\n(.*?)^```", (REPO / "docs" / "slurm.md").read_text(), re.S | re.M
     )
     assert script in blocks
+
+
+REPO_PATH = re.compile(
+    r"(?<![\w./-])((?:tests|bench|examples|scripts|src|docs|ddpkit|\.ci)/[\w./-]*[\w/])"
+    r"(?:::\s*(\w+))?"
+)
+
+
+def repo_paths() -> list[tuple[str, str, str]]:
+    """``(doc, path, test name or "")`` for every repository path named outside code blocks."""
+    found = []
+    for doc in DOCS:
+        for path, test in REPO_PATH.findall(FENCE.sub("", doc.read_text())):
+            found.append((_name(doc), path, test))
+    return found
+
+
+PATHS = repo_paths()
+
+
+def test_the_docs_name_paths_to_check():
+    assert ("README.md", "tests/e2e/test_readme_example.py", "") in PATHS
+    assert any(test for _, _, test in PATHS)
+
+
+@pytest.mark.parametrize(("doc", "path", "test"), PATHS, ids=[f"{d}:{p}" for d, p, _ in PATHS])
+def test_every_path_the_docs_name_exists(doc, path, test):
+    candidates = [REPO / path, REPO / "src" / path]  # ddpkit/x.py is src/ddpkit/x.py
+    existing = [c for c in candidates if c.exists()]
+    assert existing, f"{doc} names {path}: no such file or folder in the repository"
+    if test:
+        assert re.search(rf"^(?:async )?def {test}\(", existing[0].read_text(), re.M), (
+            f"{doc} names {path}::{test}: {path} has no test of that name"
+        )

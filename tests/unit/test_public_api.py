@@ -86,6 +86,63 @@ def test_api_reference_and_all_name_the_same_set():
     assert not documented - exported, f"not in ddpkit.__all__: {sorted(documented - exported)}"
 
 
+KINDS = {
+    inspect.Parameter.POSITIONAL_ONLY: "",
+    inspect.Parameter.POSITIONAL_OR_KEYWORD: "",
+    inspect.Parameter.VAR_POSITIONAL: "*",
+    inspect.Parameter.KEYWORD_ONLY: "kw ",
+    inspect.Parameter.VAR_KEYWORD: "**",
+}
+NO_DEFAULT = object()
+
+
+def _api_signatures() -> dict[str, str]:
+    """``{name: "(a, b, *, c=1)"}``: the signature line under each heading of docs/api.md."""
+    text = (ROOT / "docs" / "api.md").read_text()
+    found = re.findall(r"^### `(\w+)`\n`\1(\([^`\n]*\))[^`\n]*`", text, flags=re.MULTILINE)
+    return dict(found)
+
+
+def _documented_parameters(signature: str) -> list[tuple[str, object]]:
+    """``[(kind + name, default)]`` of a signature line, defaults as literals where they are."""
+    args = ast.parse(f"def f{signature}: pass").body[0].args
+    positional = args.posonlyargs + args.args
+    defaults = [NO_DEFAULT] * (len(positional) - len(args.defaults)) + list(args.defaults)
+    params = [(a.arg, d) for a, d in zip(positional, defaults, strict=True)]
+    params += [("*" + args.vararg.arg, NO_DEFAULT)] if args.vararg else []
+    params += [("kw " + a.arg, NO_DEFAULT if d is None else d)
+               for a, d in zip(args.kwonlyargs, args.kw_defaults, strict=True)]  # fmt: skip
+    params += [("**" + args.kwarg.arg, NO_DEFAULT)] if args.kwarg else []
+
+    def literal(node: object) -> object:
+        try:
+            return NO_DEFAULT if node is NO_DEFAULT else ast.literal_eval(node)
+        except ValueError:  # torch.device("cpu"), F.cross_entropy: not compared
+            return ...
+
+    return [(name, literal(default)) for name, default in params]
+
+
+def test_api_reference_signatures_are_the_real_ones():
+    signatures = _api_signatures()
+    assert "init_runtime" in signatures and "CheckpointManager" in signatures
+    wrong = []
+    for name, documented in sorted(signatures.items()):
+        signature = inspect.signature(getattr(ddpkit, name))
+        real = [
+            (KINDS[p.kind] + p.name, NO_DEFAULT if p.default is p.empty else p.default)
+            for p in signature.parameters.values()
+            if not p.name.startswith("_")  # a dataclass's private fields
+        ]
+        doc = _documented_parameters(documented)
+        same = [n for n, _ in doc] == [n for n, _ in real] and all(
+            d is ... or d == r for (_, d), (_, r) in zip(doc, real, strict=True)
+        )
+        if not same:
+            wrong.append(f"{name}: docs/api.md {documented}, real {signature}")
+    assert not wrong, "docs/api.md shows another signature:\n" + "\n".join(wrong)
+
+
 def test_every_exported_name_imports():
     assert len(ddpkit.__all__) == len(set(ddpkit.__all__))
     missing = [name for name in ddpkit.__all__ if not hasattr(ddpkit, name)]

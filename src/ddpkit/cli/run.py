@@ -59,12 +59,13 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     )
     _add_stop_arguments(parser)
     _add_node_arguments(parser)
-    parser.add_argument(
+    parser.add_argument(  # REMAINDER: the module's own flags (-m pkg.train --lr 0.1) are its
         "-m",
         "--module",
+        nargs=argparse.REMAINDER,
         default=None,
-        metavar="MODULE",
-        help="run MODULE as __main__ (like python -m) instead of a script",
+        help="MODULE [args...]: run MODULE as __main__ (like python -m) instead of a script; "
+        "everything after MODULE goes to it",
     )
     parser.add_argument(
         "target",
@@ -151,11 +152,10 @@ def launch_spec(args: argparse.Namespace) -> LaunchSpec:
     Raises:
         ConfigError: incomplete TLS flags; ``--nnodes`` not ``N`` or ``MIN:MAX``.
     """
-    target = list(args.target)
-    if target[:1] == ["--"]:
-        target = target[1:]
-    if args.module:
-        target = ["-m", args.module, *target]
+    target = _without_separator(args.target)
+    if args.module:  # MODULE and everything after it (argparse.REMAINDER)
+        module, *module_args = args.module
+        target = ["-m", module, *module_args, *target]  # argparse puts what follows -- in target
     tls = (args.tls_cert, args.tls_key, args.tls_ca)
     if any(tls) and not all(tls):
         raise ConfigError(
@@ -181,6 +181,11 @@ def launch_spec(args: argparse.Namespace) -> LaunchSpec:
         grace_period_s=args.grace_period,
         stop_signals=parse_stop_signals(args.stop_signals),
     )
+
+
+def _without_separator(arguments: list[str]) -> list[str]:
+    """The script's (or module's) arguments without a leading ``--``."""
+    return list(arguments[1:] if arguments[:1] == ["--"] else arguments)
 
 
 def parse_nnodes(value: str) -> tuple[int, int]:

@@ -140,12 +140,19 @@ class LaunchSpec:
 
 
 def _find_module(name: str) -> object | None:
+    """The spec of module ``name`` as the workers will look for it: ``python -m`` puts the
+    current folder first on their ``sys.path`` (the ``ddpkit`` console script's own has its
+    ``bin`` folder there instead), then this process's path."""
     import importlib.util
 
+    saved = list(sys.path)
+    sys.path.insert(0, os.getcwd())
     try:
         return importlib.util.find_spec(name)
     except (ImportError, ValueError):  # a parent package that is missing, or an empty name
         return None
+    finally:
+        sys.path[:] = saved
 
 
 def validate_spec(spec: LaunchSpec) -> None:
