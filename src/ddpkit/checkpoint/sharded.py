@@ -355,36 +355,55 @@ def _load_zero(optimizer: Any, loaded: dict[str, Any]) -> None:
     optimizer.load_state_dict({"state": state, "param_groups": loaded["param_groups"]})
 
 
+def layout_of(obj: Any) -> str:
+    """What a resume loads ``obj`` as: ``"fsdp_model"``, ``"module"``, ``"zero_optimizer"``,
+    ``"fsdp_optimizer"`` or ``"other"`` (any other object with a state dict)."""
+    if isinstance(obj, nn.Module):
+        return "fsdp_model" if is_fsdp(unwrap_model(obj)) else "module"
+    if is_zero_optimizer(obj):
+        return "zero_optimizer"
+    return "fsdp_optimizer" if _fsdp_optimizer(obj) else "other"
+
+
+def layout_refusal(folder: Path, name: str, saved: str | None, job: str, what: str) -> str | None:
+    """Why entry ``name`` saved as ``saved`` (``None``: unsharded, in ``state.pt``) cannot
+    resume into an object of layout ``job`` (see :func:`layout_of`; ``what`` names it in the
+    message), else ``None``. A ZeRO optimizer may take a consolidated state, as written before
+    ddpkit sharded it; an FSDP model or optimizer never takes an unsharded one."""
+    if saved is None:
+        wrong, saved = job in ("fsdp_model", "fsdp_optimizer"), "unsharded (state.pt)"
+    elif saved == "fsdp_model":
+        wrong = job not in ("fsdp_model", "module")
+    else:
+        wrong = job in ("fsdp_model", "module") or (
+            saved == "fsdp_optimizer" and job == "zero_optimizer"
+        )
+    if not wrong:
+        return None
+    return (
+        f"checkpoint {folder} holds state[{name!r}] as {saved}; this job's state[{name!r}] is "
+        f"{what}. Resume with the strategy it was saved with, or export the weights (ddpkit "
+        "checkpoint export) and start fresh."
+    )
+
+
 def check_layouts(
     folder: Path, state: Mapping[str, Any], saved: dict[str, str], unsharded: set[str]
 ) -> None:
     """Before a resume loads anything: each sharded entry goes into an object of its kind,
     and no FSDP object is given state saved unsharded (``unsharded``: the names in
-    ``state.pt``; a ZeRO optimizer may take a consolidated state, as written before ddpkit
-    sharded it).
+    ``state.pt``); the rule is :func:`layout_refusal`'s.
 
     Raises:
         ConfigError: names the entry, what was saved and what this job holds, and the fix.
     """
     for name, obj in state.items():
-        kind = saved.get(name)
-        if kind is None:
-            wrong = name in unsharded and (
-                (isinstance(obj, nn.Module) and is_fsdp(unwrap_model(obj))) or _fsdp_optimizer(obj)
-            )
-            kind = "unsharded (state.pt)"
-        elif kind == "fsdp_model":
-            wrong = not isinstance(obj, nn.Module)
-        else:
-            wrong = isinstance(obj, nn.Module) or (
-                kind == "fsdp_optimizer" and is_zero_optimizer(obj)
-            )
-        if wrong:
-            raise ConfigError(
-                f"checkpoint {folder} holds state[{name!r}] as {kind}; this job's "
-                f"state[{name!r}] is a {type(obj).__name__}. Resume with the strategy it was "
-                "saved with, or export the weights (ddpkit checkpoint export) and start fresh."
-            )
+        if name not in saved and name not in unsharded:
+            continue
+        what = f"a {type(obj).__name__}"
+        problem = layout_refusal(folder, name, saved.get(name), layout_of(obj), what)
+        if problem:
+            raise ConfigError(problem)
 
 
 def load_sharded(
