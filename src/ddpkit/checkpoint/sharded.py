@@ -41,9 +41,10 @@ load into a plain model and optimizer.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -176,6 +177,18 @@ def error_text(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"[:500]
 
 
+@contextlib.contextmanager
+def removed_on_failure(runtime: Runtime, tmp: Path) -> Iterator[None]:
+    """Rank 0 removes the shared temporary folder ``tmp`` when anything escapes the block (a
+    collective that fails because a peer died, a second stop signal), then re-raises."""
+    try:
+        yield
+    except BaseException:
+        if runtime.is_rank_zero:
+            shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
 def prepare_folder(runtime: Runtime, tmp: Path, step: int) -> None:
     """Rank 0 creates the shared temporary folder ``tmp/dcp``; every rank learns whether it
     could. Collective (one all-gather).
@@ -276,20 +289,21 @@ def save_sharded(
     """
     pid = all_gather_object(os.getpid(), runtime)[0]
     tmp = temporary_dir(directory, step, pid)
-    files = write_shards(runtime, tmp, state, entries, step)
-    error, folder = None, directory / checkpoint_dir_name(step)
-    if runtime.is_rank_zero:
-        try:
-            saved = {**replicated(), "sharded": dict(entries)}
-            saved.update(step=step, world_size=runtime.world_size, extra=meta.get("extra"))
-            folder = commit_checkpoint(
-                tmp, directory, step, saved, {**meta, "sharded": dict(entries)}, files
-            )
-            prune()
-        except Exception as exc:  # noqa: BLE001 - every rank must learn of it
-            shutil.rmtree(tmp, ignore_errors=True)
-            error = error_text(exc)
-    raise_if_any(all_gather_object({"error": error}, runtime), step, "rank 0's commit")
+    with removed_on_failure(runtime, tmp):
+        files = write_shards(runtime, tmp, state, entries, step)
+        error, folder = None, directory / checkpoint_dir_name(step)
+        if runtime.is_rank_zero:
+            try:
+                saved = {**replicated(), "sharded": dict(entries)}
+                saved.update(step=step, world_size=runtime.world_size, extra=meta.get("extra"))
+                folder = commit_checkpoint(
+                    tmp, directory, step, saved, {**meta, "sharded": dict(entries)}, files
+                )
+                prune()
+            except Exception as exc:  # noqa: BLE001 - every rank must learn of it
+                shutil.rmtree(tmp, ignore_errors=True)
+                error = error_text(exc)
+        raise_if_any(all_gather_object({"error": error}, runtime), step, "rank 0's commit")
     return folder
 
 
