@@ -21,7 +21,7 @@ from typing import Any
 import torch
 
 from ddpkit.checkpoint.io import load_checkpoint, read_manifest
-from ddpkit.checkpoint.sharded import SHARDED_DIR, metadata_template
+from ddpkit.checkpoint.sharded import SHARDED_DIR, load_in_this_process, metadata_template
 from ddpkit.checkpoint.state import strip_wrapper_prefixes
 from ddpkit.errors import DataError
 
@@ -45,7 +45,7 @@ def read_sharded_entry(folder: Path, name: str) -> Any:
         )
     reader = dcp.FileSystemReader(folder / SHARDED_DIR)
     template = metadata_template(reader.read_metadata(), lambda path: path[0] == name)
-    dcp.load(template, storage_reader=reader, no_dist=True)
+    load_in_this_process(template, reader)
     entry = template[name]
     if layout[name] == "zero_optimizer":
         entry["state"] = {int(i): value for i, value in entry.get("state", {}).items()}

@@ -44,6 +44,7 @@ from __future__ import annotations
 import contextlib
 import os
 import shutil
+import warnings
 from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
@@ -307,6 +308,9 @@ def save_sharded(
     return folder
 
 
+_ONE_PROCESS_WARNING = "torch.distributed is disabled, unavailable or uninitialized"  # torch 2.13
+
+
 # ---- loading -----------------------------------------------------------------------------------
 
 
@@ -420,6 +424,16 @@ def check_layouts(
             raise ConfigError(problem)
 
 
+def load_in_this_process(template: dict[str, Any], reader: Any) -> None:
+    """``dcp.load`` into ``template`` in this process alone (world size 1, an export), without
+    torch's ``UserWarning`` that it assumes one process is meant: it is. Not a collective."""
+    import torch.distributed.checkpoint as dcp
+
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=_ONE_PROCESS_WARNING, category=UserWarning)
+        dcp.load(template, storage_reader=reader, no_dist=True)
+
+
 def load_sharded(
     runtime: Runtime, folder: Path, state: Mapping[str, Any], saved: dict[str, str]
 ) -> None:
@@ -446,8 +460,11 @@ def load_sharded(
     zero = [n for n, kind in saved.items() if kind == "zero_optimizer" and n in state]
     for name in zero:
         template[name] = _zero_template(metadata, name, state[name])
-    with runtime.watch("torch.distributed.checkpoint.load"):
-        dcp.load(template, storage_reader=reader, process_group=runtime.process_group)
+    if runtime.process_group is None:
+        load_in_this_process(template, reader)
+    else:
+        with runtime.watch("torch.distributed.checkpoint.load"):
+            dcp.load(template, storage_reader=reader, process_group=runtime.process_group)
     if model_name is not None:
         set_state_dict(
             model, optimizers, model_state_dict=template[model_name],
