@@ -116,7 +116,7 @@ def test_resume_with_other_settings_is_refused_before_launch(tmp_path, capsys):
     assert torch.load(out / "checkpoints" / "step-00000008" / "state.pt")["step"] == 8
 
 
-def _checkpoint_of_two_ranks(out, **settings):
+def _checkpoint_of_two_ranks(out, sharded=None, **settings):
     from ddpkit.app.mnist.config import TrainConfig
     from ddpkit.app.mnist.resume import BatchPlan, checkpoint_settings
     from ddpkit.checkpoint.io import write_checkpoint
@@ -125,7 +125,8 @@ def _checkpoint_of_two_ranks(out, **settings):
     requested = (config.batch_size, config.grad_accum)
     plan = BatchPlan(*requested, requested[0] * requested[1] * 2, requested)
     extra = checkpoint_settings(config, "digits", plan)
-    write_checkpoint(out / "checkpoints", 8, {"step": 8}, {"world_size": 2, "extra": extra})
+    meta = {"world_size": 2, "extra": extra, **({"sharded": sharded} if sharded else {})}
+    write_checkpoint(out / "checkpoints", 8, {"step": 8}, meta)
 
 
 def test_resume_on_processes_that_cannot_keep_the_global_batch_lists_those_that_can(
@@ -160,3 +161,28 @@ def test_version_names_ddpkit_and_torch(capsys):
     assert exit_info.value.code == 0
     out = capsys.readouterr().out.strip()
     assert out == f"ddpkit {ddpkit.__version__} with torch {torch.__version__}"
+
+
+@pytest.mark.parametrize(
+    "saved,strategy,expected",
+    [
+        ({"model": "fsdp_model", "optimizer": "fsdp_optimizer"}, "zero1",
+         "holds state['optimizer'] as fsdp_optimizer; this job's state['optimizer'] is a "
+         "ZeroRedundancyOptimizer (--strategy zero1)"),
+        ({"optimizer": "zero_optimizer"}, "fsdp",
+         "holds state['model'] as unsharded (state.pt); this job's state['model'] is an FSDP "
+         "model (--strategy fsdp)"),
+        (None, "fsdp", "holds state['model'] as unsharded (state.pt)"),
+    ],
+)  # fmt: skip
+def test_resume_with_a_strategy_the_checkpoint_cannot_load_is_refused_before_launch(
+    tmp_path, capsys, saved, strategy, expected
+):
+    # the workers would refuse it after their start-up (exit 1, "job FAILED"): say it here
+    out = tmp_path / "run"
+    _checkpoint_of_two_ranks(out, sharded=saved)
+    argv = ["train", "--dataset", "digits", "--epochs", "1", "--nproc", "2", "--resume", "auto"]
+    code, err = run_main([*argv, "--strategy", strategy, "--output-dir", str(out)], capsys)
+    assert code == 2 and len(err.strip().splitlines()) == 1, err
+    assert expected in err and "Resume with the strategy it was saved with" in err, err
+    assert sorted(p.name for p in out.iterdir()) == ["checkpoints"]  # nothing written

@@ -11,6 +11,7 @@ from __future__ import annotations
 import copy
 import json
 import os
+from pathlib import Path
 
 import pytest
 import torch
@@ -200,6 +201,41 @@ def test_a_rank_killed_mid_save_leaves_no_complete_folder_and_resume_falls_back(
     shard = tmp_path / "step-00000002" / "dcp" / "__1_0.distcp"
     shard.write_bytes(shard.read_bytes()[:-8])
     assert run_distributed(_resume_step, 3, args=(str(tmp_path),), timeout_s=90) == [1, 1, 1]
+
+
+def _peer_lost_mid_save(rt, directory: str, async_save: bool) -> None:
+    """Save at step 1; at step 2 rank 1 stops answering inside DCP's write (a peer hung or
+    killed: rank 0's collectives fail) until rank 0 has cleaned up."""
+    import time
+
+    import torch.distributed.checkpoint as dcp
+
+    model = ddpkit.wrap_model(_net(), rt, strategy="fsdp")
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    ckpt = ddpkit.CheckpointManager(directory, rt, state={"model": model, "optimizer": optimizer},
+                                    async_save=async_save)  # fmt: skip
+    ckpt.save(1)
+    ckpt.wait()
+
+    def lost(self, plan, planner):
+        deadline = time.monotonic() + 60  # rank 0's collective times out (5 s), then it cleans
+        while list(Path(directory).glob(".tmp-*")) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        raise RuntimeError("rank 1 lost")
+
+    if rt.rank == 1:
+        dcp.FileSystemWriter.write_data = lost
+    ckpt.save(2)
+    ckpt.wait()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("async_save", [False, True])
+def test_a_peer_lost_mid_save_leaves_no_temporary_folder(tmp_path, async_save):
+    with pytest.raises(DistributedTestError, match="rank 0 raised"):
+        run_distributed(_peer_lost_mid_save, 2, args=(str(tmp_path), async_save),
+                        timeout_s=90, pg_timeout_s=5)  # fmt: skip
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step-00000001"]  # no .tmp- left
 
 
 @pytest.mark.slow

@@ -202,3 +202,27 @@ def test_bad_state_is_refused_when_the_manager_is_built(tmp_path):
     with pytest.raises(ddpkit.ConfigError, match="holds no state"):
         empty.resume()
     assert _leftovers(tmp_path) == []
+
+
+@pytest.mark.parametrize(
+    "saved,job,refused",
+    [
+        (None, "module", False), (None, "other", False), (None, "zero_optimizer", False),
+        (None, "fsdp_model", True), (None, "fsdp_optimizer", True),
+        ("fsdp_model", "fsdp_model", False), ("fsdp_model", "module", False),
+        ("fsdp_model", "other", True),
+        ("fsdp_optimizer", "fsdp_optimizer", False), ("fsdp_optimizer", "other", False),
+        ("fsdp_optimizer", "zero_optimizer", True), ("fsdp_optimizer", "module", True),
+        ("zero_optimizer", "zero_optimizer", False), ("zero_optimizer", "other", False),
+        ("zero_optimizer", "fsdp_optimizer", False), ("zero_optimizer", "fsdp_model", True),
+    ],
+)  # fmt: skip
+def test_which_saved_layouts_resume_into_which_objects(tmp_path, saved, job, refused):
+    from ddpkit.checkpoint.sharded import layout_refusal
+
+    problem = layout_refusal(tmp_path, "x", saved, job, "a Thing")
+    assert (problem is not None) == refused
+    if refused:
+        kind = saved or "unsharded (state.pt)"
+        assert problem.startswith(f"checkpoint {tmp_path} holds state['x'] as {kind}; this job's ")
+        assert "state['x'] is a Thing. Resume with the strategy it was saved with" in problem

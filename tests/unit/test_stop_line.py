@@ -76,3 +76,23 @@ def test_no_record_and_no_completion(tmp_path):
 def test_torchrun_handles_its_own_signals_and_the_stop_signals():
     stops = (signal.SIGTERM, signal.SIGUSR1)
     assert signals_to_handle(stops) == "SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1"
+
+
+def test_a_rank_that_failed_during_the_stop_is_named_not_a_stop_never_asked(tmp_path):
+    # SIGTERM, then rank 1 SIGKILLed during the stop's save: rank 0's next collective fails
+    from ddpkit.diagnostics.failures import FailureRecord
+
+    failure = FailureRecord(
+        rank=0, local_rank=0, world_size=2, restart=0, type="DistributedError",
+        message="all_gather_object failed on rank 0/2: a peer's process ended during it\nmore",
+        traceback="", time_s=2.0, pid=100,
+    )  # fmt: skip
+    (tmp_path / "failure-r0-rank0.json").write_text(json.dumps(asdict(failure)))
+    line, code = stop_line(SPEC, str(tmp_path), signal.SIGTERM)
+    assert code == 143
+    assert line.startswith(
+        "ddpkit run: stopped by SIGTERM, but the job failed before every rank stopped at a step "
+        "(first failure: rank 0/2 (local rank 0, pid 100): DistributedError: all_gather_object "
+        "failed on rank 0/2: a peer's process ended during it); all 2 processes stopped; "
+    ), line
+    assert "the ranks agreed" not in line

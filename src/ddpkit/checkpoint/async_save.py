@@ -38,6 +38,7 @@ from ddpkit.checkpoint.sharded import (
     gather_hashes,
     prepare_folder,
     raise_if_any,
+    removed_on_failure,
     shard_writer,
     sharded_state,
 )
@@ -103,23 +104,24 @@ class AsyncShardedSaves:
         self.finish()
         runtime = self.runtime
         tmp = temporary_dir(directory, step, all_gather_object(os.getpid(), runtime)[0])
-        prepare_folder(runtime, tmp, step)
-        error = None
-        if runtime.is_rank_zero:
-            try:
-                saved = {**replicated(), "sharded": dict(entries)}
-                saved.update(step=step, world_size=runtime.world_size, extra=meta.get("extra"))
-                write_state_file(tmp, saved)
-            except Exception as exc:  # noqa: BLE001 - every rank must learn of it
-                error = error_text(exc)
-        raise_if_any(all_gather_object({"error": error}, runtime), step, "rank 0's state.pt")
-        writer, planner = shard_writer(tmp)
-        future = dcp.async_save(
-            sharded_state(state, entries),
-            storage_writer=writer,
-            planner=planner,
-            process_group=self._checkpoint_group(),
-        )
+        with removed_on_failure(runtime, tmp):
+            prepare_folder(runtime, tmp, step)
+            error = None
+            if runtime.is_rank_zero:
+                try:
+                    saved = {**replicated(), "sharded": dict(entries)}
+                    saved.update(step=step, world_size=runtime.world_size, extra=meta.get("extra"))
+                    write_state_file(tmp, saved)
+                except Exception as exc:  # noqa: BLE001 - every rank must learn of it
+                    error = error_text(exc)
+            raise_if_any(all_gather_object({"error": error}, runtime), step, "rank 0's state.pt")
+            writer, planner = shard_writer(tmp)
+            future = dcp.async_save(
+                sharded_state(state, entries),
+                storage_writer=writer,
+                planner=planner,
+                process_group=self._checkpoint_group(),
+            )
         meta = {**meta, "sharded": dict(entries)}
         self._in_flight = _InFlight(step, tmp, directory, future, meta, prune)
         return directory / checkpoint_dir_name(step)
@@ -141,14 +143,15 @@ class AsyncShardedSaves:
                 flight.future.result()
         except Exception as exc:  # noqa: BLE001 - every rank must learn of it
             error = error_text(exc)
-        files = gather_hashes(runtime, flight.tmp, flight.step, error)
-        error, folder = None, flight.directory / checkpoint_dir_name(flight.step)
-        if runtime.is_rank_zero:
-            try:
-                commit_checkpoint(flight.tmp, flight.directory, flight.step, None, flight.meta,
-                                  files)  # fmt: skip
-                flight.prune()
-            except Exception as exc:  # noqa: BLE001 - every rank must learn of it
-                error = error_text(exc)
-        raise_if_any(all_gather_object({"error": error}, runtime), flight.step, "the commit")
+        with removed_on_failure(runtime, flight.tmp):
+            files = gather_hashes(runtime, flight.tmp, flight.step, error)
+            error, folder = None, flight.directory / checkpoint_dir_name(flight.step)
+            if runtime.is_rank_zero:
+                try:
+                    commit_checkpoint(flight.tmp, flight.directory, flight.step, None,
+                                      flight.meta, files)  # fmt: skip
+                    flight.prune()
+                except Exception as exc:  # noqa: BLE001 - every rank must learn of it
+                    error = error_text(exc)
+            raise_if_any(all_gather_object({"error": error}, runtime), flight.step, "the commit")
         return folder

@@ -15,19 +15,17 @@ rename).
 from __future__ import annotations
 
 import os
-import warnings
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from ddpkit.checkpoint.io import load_checkpoint, read_manifest
-from ddpkit.checkpoint.sharded import SHARDED_DIR, metadata_template
+from ddpkit.checkpoint.sharded import SHARDED_DIR, load_in_this_process, metadata_template
 from ddpkit.checkpoint.state import strip_wrapper_prefixes
 from ddpkit.errors import DataError
 
 # torch.distributed.checkpoint.load's warning when it runs without a process group (torch 2.13)
-NO_DIST_WARNING = "torch.distributed is disabled, unavailable or uninitialized"
 
 
 def read_sharded_entry(folder: Path, name: str) -> Any:
@@ -49,9 +47,7 @@ def read_sharded_entry(folder: Path, name: str) -> Any:
         )
     reader = dcp.FileSystemReader(folder / SHARDED_DIR)
     template = metadata_template(reader.read_metadata(), lambda path: path[0] == name)
-    with warnings.catch_warnings():  # torch warns at every no_dist load, meant or not
-        warnings.filterwarnings("ignore", NO_DIST_WARNING, UserWarning)
-        dcp.load(template, storage_reader=reader, no_dist=True)
+    load_in_this_process(template, reader)
     entry = template[name]
     if layout[name] == "zero_optimizer":
         entry["state"] = {int(i): value for i, value in entry.get("state", {}).items()}

@@ -41,9 +41,11 @@ load into a plain model and optimizer.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
-from collections.abc import Callable, Mapping
+import warnings
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -176,6 +178,18 @@ def error_text(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"[:500]
 
 
+@contextlib.contextmanager
+def removed_on_failure(runtime: Runtime, tmp: Path) -> Iterator[None]:
+    """Rank 0 removes the shared temporary folder ``tmp`` when anything escapes the block (a
+    collective that fails because a peer died, a second stop signal), then re-raises."""
+    try:
+        yield
+    except BaseException:
+        if runtime.is_rank_zero:
+            shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
 def prepare_folder(runtime: Runtime, tmp: Path, step: int) -> None:
     """Rank 0 creates the shared temporary folder ``tmp/dcp``; every rank learns whether it
     could. Collective (one all-gather).
@@ -276,21 +290,25 @@ def save_sharded(
     """
     pid = all_gather_object(os.getpid(), runtime)[0]
     tmp = temporary_dir(directory, step, pid)
-    files = write_shards(runtime, tmp, state, entries, step)
-    error, folder = None, directory / checkpoint_dir_name(step)
-    if runtime.is_rank_zero:
-        try:
-            saved = {**replicated(), "sharded": dict(entries)}
-            saved.update(step=step, world_size=runtime.world_size, extra=meta.get("extra"))
-            folder = commit_checkpoint(
-                tmp, directory, step, saved, {**meta, "sharded": dict(entries)}, files
-            )
-            prune()
-        except Exception as exc:  # noqa: BLE001 - every rank must learn of it
-            shutil.rmtree(tmp, ignore_errors=True)
-            error = error_text(exc)
-    raise_if_any(all_gather_object({"error": error}, runtime), step, "rank 0's commit")
+    with removed_on_failure(runtime, tmp):
+        files = write_shards(runtime, tmp, state, entries, step)
+        error, folder = None, directory / checkpoint_dir_name(step)
+        if runtime.is_rank_zero:
+            try:
+                saved = {**replicated(), "sharded": dict(entries)}
+                saved.update(step=step, world_size=runtime.world_size, extra=meta.get("extra"))
+                folder = commit_checkpoint(
+                    tmp, directory, step, saved, {**meta, "sharded": dict(entries)}, files
+                )
+                prune()
+            except Exception as exc:  # noqa: BLE001 - every rank must learn of it
+                shutil.rmtree(tmp, ignore_errors=True)
+                error = error_text(exc)
+        raise_if_any(all_gather_object({"error": error}, runtime), step, "rank 0's commit")
     return folder
+
+
+_ONE_PROCESS_WARNING = "torch.distributed is disabled, unavailable or uninitialized"  # torch 2.13
 
 
 # ---- loading -----------------------------------------------------------------------------------
@@ -355,36 +373,65 @@ def _load_zero(optimizer: Any, loaded: dict[str, Any]) -> None:
     optimizer.load_state_dict({"state": state, "param_groups": loaded["param_groups"]})
 
 
+def layout_of(obj: Any) -> str:
+    """What a resume loads ``obj`` as: ``"fsdp_model"``, ``"module"``, ``"zero_optimizer"``,
+    ``"fsdp_optimizer"`` or ``"other"`` (any other object with a state dict)."""
+    if isinstance(obj, nn.Module):
+        return "fsdp_model" if is_fsdp(unwrap_model(obj)) else "module"
+    if is_zero_optimizer(obj):
+        return "zero_optimizer"
+    return "fsdp_optimizer" if _fsdp_optimizer(obj) else "other"
+
+
+def layout_refusal(folder: Path, name: str, saved: str | None, job: str, what: str) -> str | None:
+    """Why entry ``name`` saved as ``saved`` (``None``: unsharded, in ``state.pt``) cannot
+    resume into an object of layout ``job`` (see :func:`layout_of`; ``what`` names it in the
+    message), else ``None``. A ZeRO optimizer may take a consolidated state, as written before
+    ddpkit sharded it; an FSDP model or optimizer never takes an unsharded one."""
+    if saved is None:
+        wrong, saved = job in ("fsdp_model", "fsdp_optimizer"), "unsharded (state.pt)"
+    elif saved == "fsdp_model":
+        wrong = job not in ("fsdp_model", "module")
+    else:
+        wrong = job in ("fsdp_model", "module") or (
+            saved == "fsdp_optimizer" and job == "zero_optimizer"
+        )
+    if not wrong:
+        return None
+    return (
+        f"checkpoint {folder} holds state[{name!r}] as {saved}; this job's state[{name!r}] is "
+        f"{what}. Resume with the strategy it was saved with, or export the weights (ddpkit "
+        "checkpoint export) and start fresh."
+    )
+
+
 def check_layouts(
     folder: Path, state: Mapping[str, Any], saved: dict[str, str], unsharded: set[str]
 ) -> None:
     """Before a resume loads anything: each sharded entry goes into an object of its kind,
     and no FSDP object is given state saved unsharded (``unsharded``: the names in
-    ``state.pt``; a ZeRO optimizer may take a consolidated state, as written before ddpkit
-    sharded it).
+    ``state.pt``); the rule is :func:`layout_refusal`'s.
 
     Raises:
         ConfigError: names the entry, what was saved and what this job holds, and the fix.
     """
     for name, obj in state.items():
-        kind = saved.get(name)
-        if kind is None:
-            wrong = name in unsharded and (
-                (isinstance(obj, nn.Module) and is_fsdp(unwrap_model(obj))) or _fsdp_optimizer(obj)
-            )
-            kind = "unsharded (state.pt)"
-        elif kind == "fsdp_model":
-            wrong = not isinstance(obj, nn.Module)
-        else:
-            wrong = isinstance(obj, nn.Module) or (
-                kind == "fsdp_optimizer" and is_zero_optimizer(obj)
-            )
-        if wrong:
-            raise ConfigError(
-                f"checkpoint {folder} holds state[{name!r}] as {kind}; this job's "
-                f"state[{name!r}] is a {type(obj).__name__}. Resume with the strategy it was "
-                "saved with, or export the weights (ddpkit checkpoint export) and start fresh."
-            )
+        if name not in saved and name not in unsharded:
+            continue
+        what = f"a {type(obj).__name__}"
+        problem = layout_refusal(folder, name, saved.get(name), layout_of(obj), what)
+        if problem:
+            raise ConfigError(problem)
+
+
+def load_in_this_process(template: dict[str, Any], reader: Any) -> None:
+    """``dcp.load`` into ``template`` in this process alone (world size 1, an export), without
+    torch's ``UserWarning`` that it assumes one process is meant: it is. Not a collective."""
+    import torch.distributed.checkpoint as dcp
+
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=_ONE_PROCESS_WARNING, category=UserWarning)
+        dcp.load(template, storage_reader=reader, no_dist=True)
 
 
 def load_sharded(
@@ -413,8 +460,11 @@ def load_sharded(
     zero = [n for n, kind in saved.items() if kind == "zero_optimizer" and n in state]
     for name in zero:
         template[name] = _zero_template(metadata, name, state[name])
-    with runtime.watch("torch.distributed.checkpoint.load"):
-        dcp.load(template, storage_reader=reader, process_group=runtime.process_group)
+    if runtime.process_group is None:
+        load_in_this_process(template, reader)
+    else:
+        with runtime.watch("torch.distributed.checkpoint.load"):
+            dcp.load(template, storage_reader=reader, process_group=runtime.process_group)
     if model_name is not None:
         set_state_dict(
             model, optimizers, model_state_dict=template[model_name],

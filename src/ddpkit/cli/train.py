@@ -21,7 +21,13 @@ import torch
 from ddpkit.app.mnist.config import SECTIONS, TrainConfig, check
 from ddpkit.app.mnist.data import RANK_MEMORY_MIB, DataSource, resolve_data
 from ddpkit.app.mnist.job import train_mnist
-from ddpkit.app.mnist.resume import checkpoint_settings, interrupted_note, plan_batch, stop_note
+from ddpkit.app.mnist.resume import (
+    check_strategy,
+    checkpoint_settings,
+    interrupted_note,
+    plan_batch,
+    stop_note,
+)
 from ddpkit.checkpoint.manager import check_compatible
 from ddpkit.cli.flags import add_settings_arguments, given_settings
 from ddpkit.distributed.env import detect_process_info
@@ -194,3 +200,4 @@ def _check_resume(config: TrainConfig, source: DataSource, nproc: int) -> None:
     check(run_config, world_size=nproc)  # e.g. a static graph with the micro-steps chosen here
     folder, manifest = plan.found
     check_compatible(folder, manifest, checkpoint_settings(run_config, source.dataset, plan))
+    check_strategy(config, plan)

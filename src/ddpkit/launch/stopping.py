@@ -25,9 +25,11 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from ddpkit.diagnostics.failures import (
+    FailureRecord,
     StopRecord,
     count_done_records,
     newest_done_time,
+    read_records,
     read_stop_records,
 )
 
@@ -65,16 +67,25 @@ def blocked_while_workers_start(stop_signals: tuple[signal.Signals, ...]) -> Ite
             signal.signal(sig, handler if handler is not None else signal.SIG_DFL)
 
 
-def _where(records: list[StopRecord], spec: LaunchSpec) -> tuple[str, bool]:
-    """``("after step 250 (epoch 2/5)", clean)``: ``clean`` when every rank of this node
-    stopped at that step by itself (no stop now, none killed at the end of the grace period)."""
+def _where(
+    records: list[StopRecord], failures: list[FailureRecord], spec: LaunchSpec
+) -> tuple[str, bool]:
+    """``(" after step 250 (epoch 2/5)", clean)``: ``clean`` when every rank of this node
+    stopped at that step by itself (no stop now, none killed at the end of the grace period,
+    none failed)."""
+    missing = sorted(set(range(spec.nproc)) - {r.rank % spec.nproc for r in records})
+    if failures and missing:  # e.g. a peer killed during the stop's save: say who failed
+        return (
+            ", but the job failed before every rank stopped at a step (first failure: "
+            f"{failures[0].headline})",
+            False,
+        )
     if not records:
-        return "before the ranks agreed on a step (their runtime was not waiting for it)", False
+        return " before the ranks agreed on a step (their runtime was not waiting for it)", False
     first = records[0]
     if any(r.now for r in records):
-        return f"at once (a second {next(r.signal for r in records if r.now)})", False
-    where = f"after step {first.step}{f' {first.note}' if first.note else ''}"
-    missing = sorted(set(range(spec.nproc)) - {r.rank % spec.nproc for r in records})
+        return f" at once (a second {next(r.signal for r in records if r.now)})", False
+    where = f" after step {first.step}{f' {first.note}' if first.note else ''}"
     if missing:
         ranks = ", ".join(map(str, missing))
         return (
@@ -83,6 +94,14 @@ def _where(records: list[StopRecord], spec: LaunchSpec) -> tuple[str, bool]:
             False,
         )
     return where, True
+
+
+def _failures(run_dir: str, records: list[StopRecord]) -> list[FailureRecord]:
+    """The failure records of the attempt that stopped (none of an earlier, restarted one);
+    Ctrl-C's ``KeyboardInterrupt`` in a rank that never asked for the stop is the stop itself."""
+    failures = [f for f in read_records(run_dir) if f.type != "KeyboardInterrupt"]
+    newest = max([r.restart for r in records] + [f.restart for f in failures], default=0)
+    return [f for f in failures if f.restart == newest]
 
 
 def _kept(records: list[StopRecord], spec: LaunchSpec, clean: bool) -> str:
@@ -117,10 +136,10 @@ def stop_line(spec: LaunchSpec, run_dir: str, received: signal.Signals | None) -
             f"{spec.world_size} processes ran to their end).",
             0,
         )
-    where, clean = _where(records, spec)
+    where, clean = _where(records, _failures(run_dir, records), spec)
     label = "interrupted (Ctrl-C)" if sig == signal.SIGINT else f"stopped by {sig.name}"
     line = (
-        f"{spec.command}: {label} {where}; all {spec.world_size} processes stopped"
+        f"{spec.command}: {label}{where}; all {spec.world_size} processes stopped"
         f"{_kept(records, spec, clean)}"
     )
     return line, 128 + int(sig)

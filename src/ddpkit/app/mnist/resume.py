@@ -13,6 +13,7 @@ from pathlib import Path
 from ddpkit.app.mnist.config import TrainConfig, resume_settings
 from ddpkit.checkpoint.io import read_manifest
 from ddpkit.checkpoint.manager import newest_manifest
+from ddpkit.checkpoint.sharded import layout_refusal
 from ddpkit.distributed.resize import fit_global_batch
 from ddpkit.distributed.stop import TrainingStopped
 from ddpkit.errors import ConfigError
@@ -138,6 +139,39 @@ def plan_batch(config: TrainConfig, world_size: int) -> BatchPlan:
             f" x {world_size}"
         )
     return BatchPlan(*split, global_batch, requested, found, note)
+
+
+# what each strategy's model and optimizer load as (ddpkit.checkpoint.sharded.layout_of)
+STRATEGY_LAYOUTS = {
+    "fsdp": {"model": ("fsdp_model", "an FSDP model"),
+             "optimizer": ("fsdp_optimizer", "an optimizer over FSDP shards")},
+    "zero1": {"optimizer": ("zero_optimizer", "a ZeroRedundancyOptimizer")},
+}  # fmt: skip
+
+
+def check_strategy(config: TrainConfig, plan: BatchPlan) -> None:
+    """Refuse, before any worker starts, a resume whose ``--strategy`` cannot load the
+    checkpoint's model or optimizer (an FSDP model from an unsharded one, a ZeRO optimizer from
+    FSDP shards, ...): the rule of :func:`ddpkit.checkpoint.sharded.layout_refusal`, from the
+    manifest alone. Not a collective.
+
+    Raises:
+        ConfigError: names the entry, both layouts and the fix.
+    """
+    if plan.found is None:
+        return
+    folder, manifest = plan.found
+    saved = manifest.get("sharded") or {}
+    layouts = STRATEGY_LAYOUTS.get(config.strategy, {})
+    for name, default in (
+        ("model", ("module", "a model")),
+        ("optimizer", ("other", "an optimizer")),
+    ):
+        job, what = layouts.get(name, default)
+        problem = layout_refusal(folder, name, saved.get(name), job, f"{what} (--strategy "
+                                 f"{config.strategy})")  # fmt: skip
+        if problem:
+            raise ConfigError(problem)
 
 
 def checkpoint_settings(config: TrainConfig, dataset: str, plan: BatchPlan) -> dict:
