@@ -230,3 +230,26 @@ def test_a_request_no_step_answers_ends_the_process_after_the_fallback():
     assert code == 143, errors
     assert "SIGTERM: no step boundary asked for the stop within 0.5 s" in errors, errors
     assert time.monotonic() - start < 15
+
+
+def test_under_ddpkit_run_the_stop_record_is_written_before_the_teardown(tmp_path, monkeypatch):
+    # a teardown that hangs (a peer gone) must not turn a clean stop into "did not stop within
+    # the grace period": the launcher's record exists before the runtime closes
+    from ddpkit.diagnostics.failures import RUN_DIR_ENV, read_stop_records
+    from ddpkit.distributed.process_group import Runtime
+
+    monkeypatch.setenv(RUN_DIR_ENV, str(tmp_path))
+    seen_at_close: list[list] = []
+    close = Runtime.close
+    monkeypatch.setattr(
+        Runtime,
+        "close",
+        lambda self: (seen_at_close.append(read_stop_records(tmp_path)), close(self)),
+    )
+    stopped = TrainingStopped(signal.SIGTERM, step=7, saved=True)
+    with pytest.raises(TrainingStopped):
+        with ddpkit.init_runtime("gloo"):
+            raise stopped
+    assert stopped.recorded
+    [[record]] = seen_at_close
+    assert (record.signal, record.step, record.saved) == ("SIGTERM", 7, True)

@@ -25,8 +25,6 @@ from ddpkit.checkpoint.sharded import SHARDED_DIR, load_in_this_process, metadat
 from ddpkit.checkpoint.state import strip_wrapper_prefixes
 from ddpkit.errors import DataError
 
-# torch.distributed.checkpoint.load's warning when it runs without a process group (torch 2.13)
-
 
 def read_sharded_entry(folder: Path, name: str) -> Any:
     """The whole saved state of one sharded entry, read in this process (no process group):

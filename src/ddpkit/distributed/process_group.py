@@ -255,13 +255,8 @@ class Runtime:
         return self
 
     def __exit__(self, exc_type: object, exc: BaseException | None, tb: object) -> None:
-        if (
-            isinstance(exc, TrainingStopped)
-            and self.is_rank_zero
-            and not os.environ.get(RUN_DIR_ENV)
-        ):
-            end = "the newest complete checkpoint stands" if exc.now else "rerun to resume"
-            print(f"ddpkit: {exc}; {end}.", file=sys.stderr, flush=True)  # ddpkit run says it
+        if isinstance(exc, TrainingStopped):
+            _report_stop(exc, self)
         if exc is not None and not isinstance(
             exc, TrainingStopped
         ):  # before the teardown that makes the peers fail
