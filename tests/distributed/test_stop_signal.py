@@ -61,6 +61,8 @@ def _train(rt, directory: str, signalled_rank: int | None, sig: int) -> dict:
             "saved": stopped.saved,
             "code": stopped.code,
             "signal": int(stopped.signal),
+            "here": stopped.here,
+            "rank": rt.rank,
             "first": first,
             "checkpoint": str(stopped.checkpoint),
         }
@@ -95,6 +97,8 @@ def test_a_signal_to_one_rank_stops_every_rank_at_one_step(
     (stop_step,) = steps
     assert SIGNAL_AT <= stop_step <= SIGNAL_AT + MAX_CHECK_CALLS, stops  # the next check
     assert all(s["signal"] == sig and s["code"] == 128 + sig for s in stops), stops
+    # only the signalled rank received it; the others stopped on the agreement
+    assert [s["here"] for s in stops] == [s["rank"] == signalled_rank for s in stops], stops
     if stop_step % 4:  # not a periodic checkpoint step: this stop wrote it
         assert all(s["saved"] for s in stops), stops
     folder = tmp_path / "stop" / f"step-{stop_step:08d}"  # verified by load_checkpoint

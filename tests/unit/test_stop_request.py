@@ -253,3 +253,41 @@ def test_under_ddpkit_run_the_stop_record_is_written_before_the_teardown(tmp_pat
     assert stopped.recorded
     [[record]] = seen_at_close
     assert (record.signal, record.step, record.saved) == ("SIGTERM", 7, True)
+
+
+@pytest.mark.parametrize(
+    ("elastic", "here", "now", "code"),
+    [
+        (False, True, False, 0),  # a clean stop: the launcher reports it
+        (False, False, False, 0),  # fixed membership: the peers' stop ends this node's part too
+        (True, True, False, 0),  # elastic, signalled on this node: this node stops
+        (True, False, False, 143),  # elastic, asked on another node: the agent restarts us
+        (False, True, True, 143),  # a second signal: stop now
+    ],
+)
+def test_under_ddpkit_run_the_worker_exit_status_after_a_stop(
+    tmp_path, monkeypatch, elastic, here, now, code
+):
+    # the bug: an elastic agent's membership restart (SIGTERM to its own workers) reached every
+    # node's ranks through the agreement; a node whose workers then exited 0 left the job
+    from ddpkit.diagnostics.failures import RUN_DIR_ENV
+    from ddpkit.launch import worker
+    from ddpkit.launch.elastic import ELASTIC_ENV
+
+    monkeypatch.setenv(RUN_DIR_ENV, str(tmp_path))
+    monkeypatch.delenv(ELASTIC_ENV, raising=False)
+    if elastic:
+        monkeypatch.setenv(ELASTIC_ENV, "1")
+    stopped = TrainingStopped(signal.SIGTERM, step=None if now else 5, now=now, here=here)
+    assert worker._stopped(stopped) == code
+    assert list(tmp_path.glob("stop-*.json"))  # the record for the launcher's line either way
+
+
+def test_a_stop_agreed_on_a_request_of_this_process_is_marked_here():
+    request = StopRequest([signal.SIGUSR1])
+    request.received = signal.SIGUSR1
+    request._agree(signal.SIGUSR1)
+    assert request.agreed_here
+    request.clear()
+    request._agree(signal.SIGUSR1)  # the agreement brought another rank's request
+    assert not request.agreed_here

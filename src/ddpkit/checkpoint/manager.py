@@ -364,8 +364,11 @@ class CheckpointManager:
         fresh = self._is_new(step)
         folder = self.save(step) if fresh else (self._newest[1] if self._newest else None)
         self.wait()  # an asynchronous save in flight is committed before the job stops
-        assert self.runtime.stop is not None and self.runtime.stop.agreed is not None
-        return TrainingStopped(self.runtime.stop.agreed, step=step, checkpoint=folder, saved=fresh)
+        stop = self.runtime.stop
+        assert stop is not None and stop.agreed is not None
+        return TrainingStopped(
+            stop.agreed, step=step, checkpoint=folder, saved=fresh, here=stop.agreed_here
+        )
 
     def maybe_save_epoch(self, epoch: int, *, step: int) -> Path | None:
         """After epoch ``epoch`` (1-based) ends: :meth:`save` of ``step`` when

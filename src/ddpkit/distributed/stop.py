@@ -132,6 +132,8 @@ class TrainingStopped(SystemExit):
         saved: ``checkpoint`` was written at ``step`` by this stop (``False``: nothing had
             been trained since it, or there is none).
         now: a second signal stopped the process where it was.
+        here: this process received a stop signal itself (``False``: the request came from
+            other ranks through the agreement).
         note: where in the program, set by whoever knows (``ddpkit train``: ``"(epoch 2/5)"``).
     """
 
@@ -143,6 +145,7 @@ class TrainingStopped(SystemExit):
         checkpoint: Path | None = None,
         saved: bool = False,
         now: bool = False,
+        here: bool = True,
     ) -> None:
         super().__init__(128 + int(signum))
         self.signal = signal.Signals(signum)
@@ -150,6 +153,7 @@ class TrainingStopped(SystemExit):
         self.checkpoint = checkpoint
         self.saved = saved
         self.now = now
+        self.here = here
         self.note = ""
         self.recorded = False  # the stop record for ddpkit's launcher is written
 
@@ -191,6 +195,7 @@ class StopRequest:
         self.fallback_s = fallback_s or grace_period_s() or TORCHRUN_DEFAULT_GRACE_S
         self.received: signal.Signals | None = None
         self.received_at = 0.0
+        self.agreed_here = False  # this process received the signal it agreed on
         self.agreed: signal.Signals | None = None
         self.armed = False
         self._previous: dict[signal.Signals, Any] = {}
@@ -338,4 +343,5 @@ class StopRequest:
 
     def _agree(self, signum: int) -> None:
         self.agreed = signal.Signals(signum)
+        self.agreed_here = self.received is not None
         self._cancel_timer()

@@ -35,6 +35,9 @@ RDZV_CONF_KEYS = (
     "keep_alive_max_attempt",
 )
 AGENT_LOGGER = "torch.distributed.elastic.agent.server.api"
+# set for the workers of an elastic job (--nnodes MIN:MAX): a stop asked on another node is that
+# node's leaving or its agent's membership restart, not the end of this node's job
+ELASTIC_ENV = "DDPKIT_ELASTIC"
 
 
 def parse_rdzv_conf(text: str) -> tuple[dict[str, int], list[str]]:

@@ -34,6 +34,7 @@ from ddpkit.distributed.rendezvous import check_local_route, check_world_size_li
 from ddpkit.distributed.stop import DEFAULT_STOP_SIGNALS, GRACE_PERIOD_ENV, STOP_SIGNALS_ENV
 from ddpkit.errors import ConfigError
 from ddpkit.launch.elastic import (
+    ELASTIC_ENV,
     announce_restarts,
     node_problems,
     parse_rdzv_conf,
@@ -383,6 +384,8 @@ def _worker_environment(spec: LaunchSpec, plan: NetworkPlan, run_dir: str) -> di
         env["OMP_NUM_THREADS"] = str(spec.omp_num_threads)
     if spec.nnodes > 1:
         env[MULTI_NODE_ENV] = "1"
+    if spec.elastic:
+        env[ELASTIC_ENV] = "1"
     return env
 
 

@@ -40,6 +40,7 @@ from ddpkit.diagnostics.failures import (
     write_stop_record,
 )
 from ddpkit.distributed.stop import TrainingStopped, default_stop_signals
+from ddpkit.launch.elastic import ELASTIC_ENV
 
 register_bootstrap_file(__file__)  # failure tracebacks start at the user's script
 
@@ -168,11 +169,20 @@ def _run_as_main(argv: list[str]) -> None:
 
 def _stopped(exc: TrainingStopped) -> int:
     """Under ``ddpkit run``: the stop record (unless the runtime wrote it), and exit 0 after a
-    clean stop; elsewhere 128 + the signal."""
+    clean stop; elsewhere 128 + the signal.
+
+    Elastic (``--nnodes MIN:MAX``), a stop no process of this node was signalled for came from
+    another node: its agent restarting the workers to take a node in, or that node leaving. The
+    ranks stopped and saved at one step; exiting 128 + the signal (not 0, which would end this
+    node's part of the job) makes this node's agent restart the workers into the next
+    rendezvous, where they resume from that checkpoint, as they would after a failure.
+    """
     if not os.environ.get(RUN_DIR_ENV):
         return exc.code
     if not exc.recorded:  # raised outside the runtime's with block
         write_stop_record(exc, os.environ[RUN_DIR_ENV])
+    if os.environ.get(ELASTIC_ENV) and not exc.here:
+        return exc.code
     return exc.code if exc.now else 0
 
 
