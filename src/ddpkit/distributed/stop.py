@@ -195,7 +195,6 @@ class StopRequest:
         self.fallback_s = fallback_s or grace_period_s() or TORCHRUN_DEFAULT_GRACE_S
         self.received: signal.Signals | None = None
         self.received_at = 0.0
-        self.agreed_here = False  # this process received the signal it agreed on
         self.agreed: signal.Signals | None = None
         self.armed = False
         self._previous: dict[signal.Signals, Any] = {}
@@ -341,7 +340,12 @@ class StopRequest:
         wanted = math.ceil(self._check_s / (CHECK_BUDGET * per_call_s))
         return max(1, min(wanted, int(MAX_CHECK_GAP_S / per_call_s), MAX_CHECK_CALLS))
 
+    @property
+    def agreed_here(self) -> bool:
+        """The ranks agreed to stop and this process received a stop signal itself (``False``:
+        the request came from other ranks through the agreement)."""
+        return self.agreed is not None and self.received is not None
+
     def _agree(self, signum: int) -> None:
         self.agreed = signal.Signals(signum)
-        self.agreed_here = self.received is not None
         self._cancel_timer()
