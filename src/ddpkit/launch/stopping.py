@@ -104,6 +104,18 @@ def _failures(run_dir: str, records: list[StopRecord]) -> list[FailureRecord]:
     return [f for f in failures if f.restart == newest]
 
 
+def stop_label(sig: signal.Signals) -> str:
+    """How a stop line names its signal: ``interrupted (Ctrl-C)`` or ``stopped by SIGTERM``."""
+    return "interrupted (Ctrl-C)" if sig == signal.SIGINT else f"stopped by {sig.name}"
+
+
+def kept_checkpoint(folder: str | Path, *, saved: bool) -> str:
+    """The stop line's checkpoint part: ``; saved: checkpoint step-N in DIR`` when the stop wrote
+    it, else ``; the newest complete checkpoint is step-N in DIR``."""
+    label = "saved: checkpoint" if saved else "the newest complete checkpoint is"
+    return f"; {label} {Path(folder).name} in {Path(folder).parent}"
+
+
 def _kept(records: list[StopRecord], spec: LaunchSpec, clean: bool) -> str:
     """The end of the line: the checkpoint and the command that resumes."""
     if spec.on_interrupt is not None:
@@ -112,8 +124,7 @@ def _kept(records: list[StopRecord], spec: LaunchSpec, clean: bool) -> str:
     resume = f"; resume with: {spec.resume_command}" if spec.resume_command else ""
     if newest is None:
         return f"; no checkpoint was saved{resume}"
-    label = "saved: checkpoint" if clean else "the newest complete checkpoint is"
-    return f"; {label} {Path(newest).name} in {Path(newest).parent}{resume}"
+    return f"{kept_checkpoint(newest, saved=clean)}{resume}"
 
 
 def stop_line(spec: LaunchSpec, run_dir: str, received: signal.Signals | None) -> tuple[str, int]:
@@ -137,9 +148,8 @@ def stop_line(spec: LaunchSpec, run_dir: str, received: signal.Signals | None) -
             0,
         )
     where, clean = _where(records, _failures(run_dir, records), spec)
-    label = "interrupted (Ctrl-C)" if sig == signal.SIGINT else f"stopped by {sig.name}"
     line = (
-        f"{spec.command}: {label}{where}; all {spec.world_size} processes stopped"
+        f"{spec.command}: {stop_label(sig)}{where}; all {spec.world_size} processes stopped"
         f"{_kept(records, spec, clean)}"
     )
     return line, 128 + int(sig)

@@ -6,7 +6,6 @@ from __future__ import annotations
 import dataclasses
 import os
 import shlex
-import signal
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -17,6 +16,7 @@ from ddpkit.checkpoint.sharded import layout_refusal
 from ddpkit.distributed.resize import fit_global_batch
 from ddpkit.distributed.stop import TrainingStopped
 from ddpkit.errors import ConfigError
+from ddpkit.launch.stopping import kept_checkpoint, stop_label
 
 
 def without_resume(argv: list[str]) -> list[str]:
@@ -56,8 +56,7 @@ def interrupted_note(
         return "; no checkpoint saved (--checkpoint-every N saves them): a rerun starts at step 0"
     folder = found[0]
     command = shlex.join(["ddpkit", *without_resume(argv), "--resume", "auto"])
-    label = "saved: checkpoint" if saved else "the newest complete checkpoint is"
-    return f"; {label} {folder.name} in {folder.parent}; resume with: {command}"
+    return f"{kept_checkpoint(folder, saved=saved)}; resume with: {command}"
 
 
 @dataclass(frozen=True)
@@ -197,11 +196,6 @@ def stop_note(stopped: TrainingStopped, output_dir: str | os.PathLike[str], argv
     ``argv``: the user's ``ddpkit`` arguments (``[]`` under torchrun or srun, whose command ddpkit
     does not know: the line says to rerun it with ``--resume auto``).
     """
-    label = (
-        "interrupted (Ctrl-C)"
-        if stopped.signal == signal.SIGINT
-        else f"stopped by {stopped.signal.name}"
-    )
     where = (
         "at once (a second signal)"
         if stopped.now
@@ -211,10 +205,7 @@ def stop_note(stopped: TrainingStopped, output_dir: str | os.PathLike[str], argv
         note = interrupted_note(output_dir, argv, saved=stopped.saved)
     else:
         found = newest_manifest(Path(output_dir) / "checkpoints")
-        label_kept = "saved: checkpoint" if stopped.saved else "the newest complete checkpoint is"
-        kept = (
-            f"; {label_kept} {found[0].name} in {found[0].parent}" if found else "; no checkpoint"
-        )
+        kept = kept_checkpoint(found[0], saved=stopped.saved) if found else "; no checkpoint"
         launcher = "srun" if "SLURM_JOB_ID" in os.environ else "torchrun"
         note = f"{kept}; resume: rerun the same {launcher} command with --resume auto"
-    return f"ddpkit train: {label} {where}{note}"
+    return f"ddpkit train: {stop_label(stopped.signal)} {where}{note}"
