@@ -41,6 +41,10 @@ NUM_CUDA = torch.cuda.device_count() if torch.cuda.is_available() else 0
             "async_checkpoint=True with strategy='ddp'. Only sharded checkpoints",
         ),
         (
+            ["--strategy", "zero1", "--async-checkpoint"],  # nothing would be written async
+            "async_checkpoint=True with checkpoint_every=0. Only the periodic checkpoints",
+        ),
+        (
             ["--reshard-after-forward", "off"],
             "reshard_after_forward=False with strategy='ddp'. It configures FSDP's fully_shard",
         ),

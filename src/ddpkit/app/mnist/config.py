@@ -483,6 +483,12 @@ def _sharded_rules(c: TrainConfig, strategy: str) -> list[str]:
             "(fsdp, zero1) are written in the background. Use one of them, or drop "
             "--async-checkpoint"
         )
+    elif c.async_checkpoint and not c.checkpoint_every:
+        problems.append(
+            "async_checkpoint=True with checkpoint_every=0. Only the periodic checkpoints are "
+            "written in the background (a stop's checkpoint is committed before the exit). Add "
+            "--checkpoint-every STEPS, or drop --async-checkpoint"
+        )
     if not c.reshard_after_forward and strategy != "fsdp":
         problems.append(
             f"reshard_after_forward=False with strategy={strategy!r}. It configures FSDP's "
