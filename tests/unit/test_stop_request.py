@@ -291,3 +291,45 @@ def test_a_stop_agreed_on_a_request_of_this_process_is_marked_here():
     request.clear()
     request._agree(signal.SIGUSR1)  # the agreement brought another rank's request
     assert not request.agreed_here
+
+
+AGREE_AND_RETURN = """
+import signal, sys
+from ddpkit.distributed.stop import StopRequest
+
+request = StopRequest([signal.SIGTERM])
+if "here" in sys.argv:
+    request.received = signal.SIGTERM
+request._agree(signal.SIGTERM)  # what rt.stop_requested() does when the ranks agree
+if "clear" in sys.argv:
+    request.clear()  # handled: the script trains on, then ends
+"""
+
+
+@pytest.mark.parametrize(
+    ("elastic", "how", "code"),
+    [
+        (True, "elsewhere", 143),  # another node asked: exit 0 would end this node's part
+        (True, "here", 0),  # this node was signalled: it stops
+        (True, "clear", 0),  # the stop was handled and the script trained on to its end
+        (False, "elsewhere", 0),  # fixed membership: the job ends
+    ],
+)
+def test_a_script_that_breaks_on_stop_requested_exits_like_a_training_stopped(
+    tmp_path, monkeypatch, elastic, how, code
+):
+    # an own loop that does `if rt.stop_requested(): save(); break` and returns normally
+    from ddpkit.diagnostics.failures import RUN_DIR_ENV
+    from ddpkit.distributed import stop
+    from ddpkit.launch import worker
+    from ddpkit.launch.elastic import ELASTIC_ENV
+
+    monkeypatch.setattr(stop, "_AGREED_ELSEWHERE", [])
+    monkeypatch.setenv(RUN_DIR_ENV, str(tmp_path))
+    monkeypatch.delenv(ELASTIC_ENV, raising=False)
+    if elastic:
+        monkeypatch.setenv(ELASTIC_ENV, "1")
+    script = tmp_path / "loop.py"
+    script.write_text(AGREE_AND_RETURN)
+    assert worker.run_target([str(script), how]) == code
+    assert (tmp_path / "done-r0-rank0").exists() == (code == 0)  # "ran to its end" only then

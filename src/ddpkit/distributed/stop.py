@@ -171,6 +171,23 @@ class TrainingStopped(SystemExit):
         return f"stopped by {self.signal.name} {where}; {kept}"
 
 
+# The signal of the stop this process's ranks agreed on when the request came from other ranks
+# (another node under elastic), until cleared; read by ddpkit run's worker at a normal exit.
+_AGREED_ELSEWHERE: list[signal.Signals] = []
+
+
+def stop_agreed_elsewhere() -> signal.Signals | None:
+    """The signal of the stop this process agreed to at the request of other ranks (no stop
+    signal reached this process), or ``None``: no stop, a stop this process was signalled for,
+    or one cleared with :meth:`StopRequest.clear`.
+
+    ``ddpkit run``'s worker reads it when a script returns normally after breaking out of its
+    loop on ``rt.stop_requested()``: under an elastic job it then exits 128 + the signal, as
+    after a :class:`TrainingStopped` raised on another node's request. Not a collective.
+    """
+    return _AGREED_ELSEWHERE[-1] if _AGREED_ELSEWHERE else None
+
+
 class StopRequest:
     """The stop signals of one process, and the ranks' agreement on when to stop.
 
@@ -245,6 +262,7 @@ class StopRequest:
         self._cancel_timer()
         self.received = self.agreed = None
         self._closed = False
+        _AGREED_ELSEWHERE.clear()
 
     def _handle(self, signum: int, frame: Any) -> None:
         now = time.monotonic()
@@ -348,4 +366,7 @@ class StopRequest:
 
     def _agree(self, signum: int) -> None:
         self.agreed = signal.Signals(signum)
+        _AGREED_ELSEWHERE.clear()
+        if self.received is None:
+            _AGREED_ELSEWHERE.append(self.agreed)
         self._cancel_timer()

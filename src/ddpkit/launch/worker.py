@@ -39,7 +39,7 @@ from ddpkit.diagnostics.failures import (
     write_record,
     write_stop_record,
 )
-from ddpkit.distributed.stop import TrainingStopped, default_stop_signals
+from ddpkit.distributed.stop import TrainingStopped, default_stop_signals, stop_agreed_elsewhere
 from ddpkit.launch.elastic import ELASTIC_ENV
 
 register_bootstrap_file(__file__)  # failure tracebacks start at the user's script
@@ -151,6 +151,9 @@ def run_target(argv: list[str]) -> int:
     except BaseException as exc:  # noqa: BLE001 - every escape is recorded
         _record_failure(exc, show_traceback=True)
         return 1
+    agreed = stop_agreed_elsewhere()  # the script broke out of its loop on rt.stop_requested()
+    if agreed is not None and os.environ.get(ELASTIC_ENV):
+        return 128 + agreed  # as _stopped does for another node's stop: the agent restarts us
     if os.environ.get(RUN_DIR_ENV):  # a stop signal that came too late finds the job completed
         write_done_record(os.environ[RUN_DIR_ENV])
     return 0
