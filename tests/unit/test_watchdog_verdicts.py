@@ -90,3 +90,25 @@ def test_a_thread_running_user_code_is_located_at_its_line():
     assert position.op == "wait"  # the function running, in the standard library ...
     line = user_code.__code__.co_firstlineno + 2
     assert position.site == f"tests/unit/test_watchdog_verdicts.py:{line}"  # ... called from here
+
+
+def test_a_rank_gathering_stacks_never_hides_a_peers_abort():
+    # two ranks found one deadlock at about the same time: rank 1 reported and asked the others
+    # to end; rank 0, a moment later, asked for stacks too. Its "dump" replaced the abort, so it
+    # never ended, and the reporter's exit made its collective fail: an echo of the report.
+    import torch.distributed as dist
+
+    from ddpkit.distributed.env import ProcessInfo
+    from ddpkit.distributed.watchdog import PREFIX, Watchdog
+
+    store = dist.HashStore()
+    ranks = [Watchdog(store, ProcessInfo(rank=r, world_size=2)) for r in (0, 1)]
+    shared = dist.PrefixStore(PREFIX, store)
+    shared.set("stack/1", "rank 1's stack")
+    shared.set("request", "abort\ndeadlock: ...")  # what rank 1's _report_and_exit sets
+    stacks = ranks[0]._gather_stacks()
+    assert sorted(stacks) == [0, 1]
+    assert shared.get("request") == b"abort\ndeadlock: ..."  # rank 0's next tick ends it
+    alone = dist.HashStore()
+    Watchdog(alone, ProcessInfo(rank=0, world_size=1))._gather_stacks()  # no request up yet
+    assert dist.PrefixStore(PREFIX, alone).get("request") == b"dump"

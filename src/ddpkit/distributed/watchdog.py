@@ -332,6 +332,8 @@ class Watchdog:
         mine = str(self.info.rank)
         if self._store.compare_set("reporter", "", mine).decode() == mine:
             self.on_stall(report)
+        else:  # another rank reports: end with it now if its abort is up, not a beat later
+            self._serve_requests()
 
     def silent_s(self, rank: int) -> float | None:
         """Seconds since a new heartbeat of ``rank`` was seen here (``None``: never seen)."""
@@ -360,7 +362,10 @@ class Watchdog:
         return "; ".join(parts) or "every rank's heartbeat is recent"
 
     def _gather_stacks(self) -> dict[int, str]:
-        self._store.set("request", "dump")
+        # only where no request is up: a peer that found the same deadlock a moment earlier may
+        # have set its abort already, and a "dump" over it would hide it from this rank, which
+        # then trains on until the reporter's exit makes its collective fail (an echo)
+        self._store.compare_set("request", "", "dump")
         self._answered_dump = True
         self._store.set(f"stack/{self.info.rank}", main_thread_stack(self._thread_id))
         keys = [f"stack/{r}" for r in range(self.info.world_size)]
