@@ -324,7 +324,7 @@ def test_a_script_that_breaks_on_stop_requested_exits_like_a_training_stopped(
     from ddpkit.launch import worker
     from ddpkit.launch.elastic import ELASTIC_ENV
 
-    monkeypatch.setattr(stop, "_AGREED_ELSEWHERE", [])
+    monkeypatch.setattr(stop, "_LAST_AGREEMENT", [])
     monkeypatch.setenv(RUN_DIR_ENV, str(tmp_path))
     monkeypatch.delenv(ELASTIC_ENV, raising=False)
     if elastic:

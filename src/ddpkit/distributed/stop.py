@@ -171,9 +171,9 @@ class TrainingStopped(SystemExit):
         return f"stopped by {self.signal.name} {where}; {kept}"
 
 
-# The signal of the stop this process's ranks agreed on when the request came from other ranks
-# (another node under elastic), until cleared; read by ddpkit run's worker at a normal exit.
-_AGREED_ELSEWHERE: list[signal.Signals] = []
+# The StopRequest that last reached an agreement in this process (one slot), for ddpkit run's
+# worker, which outlives the runtime's with block: what it needs is derived from the request.
+_LAST_AGREEMENT: list[StopRequest] = []
 
 
 def stop_agreed_elsewhere() -> signal.Signals | None:
@@ -185,7 +185,10 @@ def stop_agreed_elsewhere() -> signal.Signals | None:
     loop on ``rt.stop_requested()``: under an elastic job it then exits 128 + the signal, as
     after a :class:`TrainingStopped` raised on another node's request. Not a collective.
     """
-    return _AGREED_ELSEWHERE[-1] if _AGREED_ELSEWHERE else None
+    request = _LAST_AGREEMENT[-1] if _LAST_AGREEMENT else None
+    if request is None or request.agreed is None or request.agreed_here:
+        return None
+    return request.agreed
 
 
 class StopRequest:
@@ -262,7 +265,6 @@ class StopRequest:
         self._cancel_timer()
         self.received = self.agreed = None
         self._closed = False
-        _AGREED_ELSEWHERE.clear()
 
     def _handle(self, signum: int, frame: Any) -> None:
         now = time.monotonic()
@@ -366,7 +368,5 @@ class StopRequest:
 
     def _agree(self, signum: int) -> None:
         self.agreed = signal.Signals(signum)
-        _AGREED_ELSEWHERE.clear()
-        if self.received is None:
-            _AGREED_ELSEWHERE.append(self.agreed)
+        _LAST_AGREEMENT[:] = [self]
         self._cancel_timer()
