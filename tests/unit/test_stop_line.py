@@ -6,18 +6,18 @@ import json
 import signal
 from dataclasses import asdict
 
-from ddpkit.diagnostics.failures import StopRecord
+from ddpkit.diagnostics.failures import FailureRecord, StopRecord
 from ddpkit.launch.launcher import LaunchSpec
 from ddpkit.launch.stopping import signals_to_handle, stop_line
 
 SPEC = LaunchSpec(target=["train.py"], nproc=2, resume_command="ddpkit run -n 2 train.py")
 
 
-def _record(run_dir, rank: int, *, step=250, now=False, sig="SIGTERM", saved=True) -> None:
+def _record(run_dir, rank: int, *, step=250, now=False, sig="SIGTERM", saved=True, time_s=1.0):
     record = StopRecord(
         rank=rank, world_size=2, restart=0, pid=100 + rank, signal=sig, now=now,
         step=None if now else step, checkpoint=f"{run_dir}/ck/step-{step:08d}", saved=saved,
-        note="", time_s=1.0,
+        note="", time_s=time_s,
     )  # fmt: skip
     (run_dir / f"stop-r0-rank{rank}.json").write_text(json.dumps(asdict(record)))
 
@@ -78,16 +78,18 @@ def test_torchrun_handles_its_own_signals_and_the_stop_signals():
     assert signals_to_handle(stops) == "SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1"
 
 
+def _peer_ended(run_dir, rank: int, *, time_s: float) -> None:
+    failure = FailureRecord(
+        rank=rank, local_rank=rank, world_size=2, restart=0, type="DistributedError",
+        message="all_gather_object failed on rank 0/2: a peer's process ended during it\nmore",
+        traceback="", time_s=time_s, pid=100 + rank,
+    )  # fmt: skip
+    (run_dir / f"failure-r0-rank{rank}.json").write_text(json.dumps(asdict(failure)))
+
+
 def test_a_rank_that_failed_during_the_stop_is_named_not_a_stop_never_asked(tmp_path):
     # SIGTERM, then rank 1 SIGKILLed during the stop's save: rank 0's next collective fails
-    from ddpkit.diagnostics.failures import FailureRecord
-
-    failure = FailureRecord(
-        rank=0, local_rank=0, world_size=2, restart=0, type="DistributedError",
-        message="all_gather_object failed on rank 0/2: a peer's process ended during it\nmore",
-        traceback="", time_s=2.0, pid=100,
-    )  # fmt: skip
-    (tmp_path / "failure-r0-rank0.json").write_text(json.dumps(asdict(failure)))
+    _peer_ended(tmp_path, 0, time_s=2.0)
     line, code = stop_line(SPEC, str(tmp_path), signal.SIGTERM)
     assert code == 143
     assert line.startswith(
@@ -96,3 +98,17 @@ def test_a_rank_that_failed_during_the_stop_is_named_not_a_stop_never_asked(tmp_
         "failed on rank 0/2: a peer's process ended during it); all 2 processes stopped; "
     ), line
     assert "the ranks agreed" not in line
+
+
+def test_a_peer_failing_after_a_rank_stopped_at_once_is_the_stop_now(tmp_path):
+    # the second signal: rank 0 stops at once while rank 1 is inside a collective with it, which
+    # fails ("a peer's process ended") before rank 1's own handler runs (a CI run, 2026-12-02)
+    _record(tmp_path, 0, now=True, time_s=1.0)
+    _peer_ended(tmp_path, 1, time_s=1.2)
+    line, code = stop_line(SPEC, str(tmp_path), signal.SIGTERM)
+    assert code == 143
+    assert line.startswith("ddpkit run: stopped by SIGTERM at once (a second SIGTERM); all 2 "), line
+    # a failure before the stop now is still the job's failure
+    _peer_ended(tmp_path, 1, time_s=0.5)
+    line, _ = stop_line(SPEC, str(tmp_path), signal.SIGTERM)
+    assert "but the job failed before every rank stopped at a step (first failure: rank 1/2" in line

@@ -72,8 +72,12 @@ def _where(
 ) -> tuple[str, bool]:
     """``(" after step 250 (epoch 2/5)", clean)``: ``clean`` when every rank of this node
     stopped at that step by itself (no stop now, none killed at the end of the grace period,
-    none failed)."""
+    none failed). A failure after a rank stopped at once is that stop's doing: a peer inside a
+    collective with it fails ("a peer's process ended") before its own handler can run."""
     missing = sorted(set(range(spec.nproc)) - {r.rank % spec.nproc for r in records})
+    stopped_now_s = min((r.time_s for r in records if r.now), default=None)
+    if stopped_now_s is not None:
+        failures = [f for f in failures if f.time_s < stopped_now_s]
     if failures and missing:  # e.g. a peer killed during the stop's save: say who failed
         return (
             ", but the job failed before every rank stopped at a step (first failure: "
