@@ -107,7 +107,7 @@ def test_a_peer_failing_after_a_rank_stopped_at_once_is_the_stop_now(tmp_path):
     _peer_ended(tmp_path, 1, time_s=1.2)
     line, code = stop_line(SPEC, str(tmp_path), signal.SIGTERM)
     assert code == 143
-    assert line.startswith("ddpkit run: stopped by SIGTERM at once (a second SIGTERM); all 2 "), line
+    assert line.startswith("ddpkit run: stopped by SIGTERM at once (a second SIGTERM); all 2 ")
     # a failure before the stop now is still the job's failure
     _peer_ended(tmp_path, 1, time_s=0.5)
     line, _ = stop_line(SPEC, str(tmp_path), signal.SIGTERM)
