@@ -305,3 +305,22 @@ def test_run_rejects_bad_input_in_one_line(args, expected, capsys):
     assert main(["run", *args]) == 2
     err = capsys.readouterr().err
     assert expected in err and len(err.strip().splitlines()) == 1
+
+
+TAKEN_PORT = """
+import socket, sys
+import torch.distributed.elastic.rendezvous.api as rendezvous_api
+from ddpkit.cli import main
+taken = socket.create_server(("127.0.0.1", 0))  # another program's listener
+rendezvous_api.get_free_port = lambda: taken.getsockname()[1]  # torchrun picked that port
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+def test_a_port_taken_after_torchrun_picked_it_does_not_fail_the_job():
+    # torchrun's agent picks the workers' MASTER_PORT by binding port 0 and closing it again;
+    # another program can take it before rank 0 listens on it (a CI run, 2026-12-02: "port 38283
+    # on 127.0.0.1 is already in use"). On one node ddpkit run reserves the port itself.
+    result = run_cli(["-c", TAKEN_PORT, "run", "-n", "2", PROBE], timeout_s=90)
+    assert result.returncode == 0, result.output
+    assert {"PROBE rank=0 sum=2", "PROBE rank=1 sum=2"} <= _probe_lines(result.stdout)

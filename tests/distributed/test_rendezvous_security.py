@@ -9,7 +9,12 @@ import pytest
 import ddpkit
 from ddpkit.distributed.env import ProcessInfo
 from ddpkit.distributed.rendezvous import PREFIX
-from ddpkit.security.bind import check_store_address, interface_of, listening_socket
+from ddpkit.security.bind import (
+    check_store_address,
+    interface_of,
+    listening_socket,
+    reserve_port,
+)
 from ddpkit.security.token import load_token
 from ddpkit.testing import run_distributed
 
@@ -121,3 +126,24 @@ def test_listener_is_bound_to_the_address_given():
         sock.close()
     assert interface_of("127.0.0.1") == "lo"
     assert interface_of("203.0.113.7") is None  # TEST-NET-3: on no interface here
+
+
+def test_a_reserved_port_takes_one_listener_and_no_other_bind():
+    import socket
+
+    reserved = reserve_port("127.0.0.1")
+    port = reserved.getsockname()[1]
+    try:
+        for _ in range(2):  # rank 0's store, and again after a restart
+            store = listening_socket("127.0.0.1", port)
+            with pytest.raises(ddpkit.ConfigError, match=f"port {port} on"):
+                listening_socket("127.0.0.1", port)  # one listener at a time
+            store.close()
+        picked = set()
+        for _ in range(3000):  # what torch's get_free_port and gloo's listeners do
+            with socket.socket() as other:
+                other.bind(("127.0.0.1", 0))
+                picked.add(other.getsockname()[1])
+        assert port not in picked and len(picked) > 100
+    finally:
+        reserved.close()

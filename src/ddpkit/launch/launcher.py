@@ -56,7 +56,7 @@ from ddpkit.launch.stopping import (
     stopped_by_workers,
 )
 from ddpkit.launch.summary import summarize_failure
-from ddpkit.security.bind import MULTI_NODE_ENV
+from ddpkit.security.bind import MASTER_PORT_ENV, MULTI_NODE_ENV, reserve_port
 from ddpkit.security.token import load_token
 
 WORKER_MODULE = "ddpkit.launch.worker"
@@ -250,6 +250,11 @@ def launch(spec: LaunchSpec) -> int:
         rdzv_store = host_rendezvous_store(plan.store_address, plan.endpoint_port)
         plan = dataclasses.replace(plan, endpoint_port=rdzv_store.port)
     os.environ.update({**_worker_environment(spec, plan, run_dir), **tls_env})
+    # One node: rank 0's store port is held here for the whole run. torchrun's agent picks one
+    # by binding port 0 and closing it, and anything may take it before rank 0 listens.
+    reserved = reserve_port(plan.local_address) if spec.nnodes == 1 else None
+    if reserved is not None:
+        os.environ[MASTER_PORT_ENV] = str(reserved.getsockname()[1])
     if spec.nnodes > 1 and spec.max_restarts == 0:
         threading.Thread(
             target=_stop_if_agent_stuck,
@@ -291,6 +296,8 @@ def launch(spec: LaunchSpec) -> int:
         os.environ.update(saved)
         shutil.rmtree(run_dir, ignore_errors=True)
         del rdzv_store
+        if reserved is not None:
+            reserved.close()
 
 
 def _preflight(spec: LaunchSpec) -> NetworkPlan:

@@ -41,6 +41,7 @@ from ddpkit.diagnostics.failures import (
 )
 from ddpkit.distributed.stop import TrainingStopped, default_stop_signals, stop_agreed_elsewhere
 from ddpkit.launch.elastic import ELASTIC_ENV
+from ddpkit.security.bind import MASTER_PORT_ENV
 
 register_bootstrap_file(__file__)  # failure tracebacks start at the user's script
 
@@ -254,7 +255,16 @@ def release_stop_signals(argv: list[str]) -> None:
         signal.pthread_sigmask(signal.SIG_UNBLOCK, default_stop_signals())
 
 
+def use_reserved_port() -> None:
+    """``MASTER_PORT``: the port ``ddpkit run`` holds for rank 0's store on one node
+    (:func:`ddpkit.security.bind.reserve_port`), in place of torchrun's pick, which another
+    program could take before rank 0 listens on it."""
+    if os.environ.get(MASTER_PORT_ENV):
+        os.environ["MASTER_PORT"] = os.environ[MASTER_PORT_ENV]
+
+
 def main() -> None:
+    use_reserved_port()
     release_stop_signals(sys.argv[1:])
     die_with_launcher()
     keep_stderr_tail()

@@ -21,6 +21,7 @@ from ddpkit.errors import ConfigError
 from ddpkit.log import get_logger
 
 MULTI_NODE_ENV = "DDPKIT_MULTI_NODE"
+MASTER_PORT_ENV = "DDPKIT_MASTER_PORT"  # the port the one-node launcher holds for rank 0's store
 _SIOCGIFADDR = 0x8915  # from <linux/sockios.h>: get an interface's IPv4 address
 
 
@@ -64,6 +65,27 @@ def listening_socket(host: str, port: int, backlog: int = 1024) -> socket.socket
             f"cannot listen on {host}:{port} ({address}): {exc.strerror}. The store's address "
             "must be one of this machine's (rank 0 / the first node serves the store)."
         ) from None
+    return sock
+
+
+def reserve_port(host: str) -> socket.socket:
+    """A socket bound to a free port on ``host``'s address and never listening: the port stays
+    this process's until the socket is closed, yet a rank can still listen on it.
+
+    Linux semantics (measured on this kernel, and what ``inet_csk_bind_conflict`` says): while a
+    socket with ``SO_REUSEADDR`` is bound to the port but not listening, another
+    ``SO_REUSEADDR`` socket may bind it and listen (the rank's store; TCPStore and libuv set
+    that option), one at a time; a bind to port 0 and a ``connect`` never pick it. A port
+    picked and released instead (torch's ``get_free_port``) can be taken by anything in between.
+
+    Not a collective.
+
+    Raises:
+        ConfigError: ``host`` does not resolve to an IPv4 address.
+    """
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((resolve_ipv4(host), 0))
     return sock
 
 
