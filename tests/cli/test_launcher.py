@@ -53,7 +53,7 @@ def test_failure_stops_every_rank_fast_and_names_the_first(tmp_path):
     # both ranks had started (so rank 0 was stuck in the collective rank 1 never joined) ...
     pids = [int((tmp_path / f"rank{r}.pid").read_text()) for r in (0, 1)]
     # ... and ended far below the 120 s collective timeout, leaving no process behind
-    assert elapsed < 15 + 10, f"took {elapsed:.1f} s"  # 15 s budget + interpreter start-up
+    assert elapsed < 60, f"took {elapsed:.1f} s"  # 11 s at load 11; a hang is the 120 s timeout
     assert not [pid for pid in pids if pid_alive(pid)]
 
 

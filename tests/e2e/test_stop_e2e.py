@@ -187,7 +187,9 @@ def test_a_second_signal_during_the_save_stops_at_once_and_keeps_the_last_checkp
     start = time.monotonic()
     os.kill(job.proc.pid, signal.SIGTERM)  # "stop now"
     code = job.finish()
-    assert time.monotonic() - start < 4, "the second signal did not cut the save short"
+    # cut short: the newest checkpoint below is older than the one being written (a finished
+    # save would be the newest); the bound is a hang's, below the 30 s grace period
+    assert time.monotonic() - start < 25, "the second signal did not end the job at once"
     errors = job.errors()
     assert code == 143, errors
     last = errors.strip().splitlines()[-1]

@@ -82,8 +82,9 @@ def _check_bound(nodes: list[Node]) -> None:
 @pytest.mark.timeout(420)
 def test_lost_node_survivors_resume_on_two_then_the_node_rejoins(nodes, tmp_path, monkeypatch):
     monkeypatch.setenv("DDPKIT_JOB_TOKEN", "elastic-" + "0123456789abcdef")  # every group checks it
-    # on 2 ranks, 0.5 s a step: the 40 steps left give the node started again (its launcher
-    # imports torch, seconds on a loaded machine) 20 s to reach the rendezvous before the end
+    # on 2 ranks, 0.5 s a step, 2 s while the test holds them: the 40 steps left give the node
+    # started again (its launcher imports torch, seconds on a loaded machine) 80 s to reach the
+    # rendezvous before the end
     job = [str(tmp_path), str(EPOCHS), str(STEP_S), str(SHRUNK_STEP_S)]
     first = [start_ddpkit(node, rank, nodes[0], job) for rank, node in enumerate(nodes)]
     wait_for(tmp_path, first, "a checkpoint on 3 ranks", saved(3, 8))
@@ -92,10 +93,12 @@ def test_lost_node_survivors_resume_on_two_then_the_node_rejoins(nodes, tmp_path
     killed_s = time.time()
     survivors = first[:2]
     wait_for(tmp_path, survivors, "a checkpoint on 2 ranks after the resume", saved(2, 16))
+    (tmp_path / "hold").touch()
     back = start_ddpkit(nodes[2], 2, nodes[0], job)
     wait_for(tmp_path, [*survivors, back], "the rejoined node training",
               lambda events: any(e["event"] == "step" and e["world_size"] == 3 and
                                  e["time_s"] > killed_s for e in events))  # fmt: skip
+    (tmp_path / "hold").unlink()
     _check_bound(nodes)
     results = finish([*survivors, back], 240)
     assert finish([first[2]], 10)[0][0] == -9  # the lost node's launcher: SIGKILLed

@@ -97,6 +97,10 @@ def test_killing_the_writer_never_leaves_an_unloadable_newest(tmp_path):
             text=True,
         )
         assert proc.stdout.readline().strip() == "ready"
+        deadline = time.monotonic() + 30
+        while trial == 0 and not list(tmp_path.glob("step-*/manifest.json")):  # an empty folder:
+            assert time.monotonic() < deadline, "no save completed in 30 s"  # one save first
+            time.sleep(0.01)
         time.sleep(rng.uniform(0.05, 0.5))
         proc.send_signal(signal.SIGKILL)
         proc.wait(timeout=10)

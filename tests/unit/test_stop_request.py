@@ -212,7 +212,6 @@ time.sleep(30)  # a loop that no longer asks
 
 
 def test_a_request_no_step_answers_ends_the_process_after_the_fallback():
-    start = time.monotonic()
     proc = subprocess.Popen(
         [sys.executable, "-c", UNANSWERED],
         stdout=subprocess.PIPE,
@@ -220,7 +219,8 @@ def test_a_request_no_step_answers_ends_the_process_after_the_fallback():
         text=True,
     )
     try:
-        assert proc.stdout.readline().strip() == "ready"
+        assert proc.stdout.readline().strip() == "ready"  # torch imported: not timed
+        start = time.monotonic()
         proc.send_signal(signal.SIGTERM)
         code = proc.wait(timeout=20)
     finally:
@@ -229,7 +229,7 @@ def test_a_request_no_step_answers_ends_the_process_after_the_fallback():
     errors = proc.stderr.read()
     assert code == 143, errors
     assert "SIGTERM: no step boundary asked for the stop within 0.5 s" in errors, errors
-    assert time.monotonic() - start < 15
+    assert time.monotonic() - start < 10  # the fallback, not the script's 30 s sleep
 
 
 def test_under_ddpkit_run_the_stop_record_is_written_before_the_teardown(tmp_path, monkeypatch):
