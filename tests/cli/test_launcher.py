@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import sys
 import time
 from pathlib import Path
@@ -324,3 +325,19 @@ def test_a_port_taken_after_torchrun_picked_it_does_not_fail_the_job():
     result = run_cli(["-c", TAKEN_PORT, "run", "-n", "2", PROBE], timeout_s=90)
     assert result.returncode == 0, result.output
     assert {"PROBE rank=0 sum=2", "PROBE rank=1 sum=2"} <= _probe_lines(result.stdout)
+
+
+def test_several_nodes_keep_torchruns_port_even_inside_another_job(monkeypatch):
+    from ddpkit.launch.launcher import _reserve_master_port
+    from ddpkit.security.bind import MASTER_PORT_ENV
+
+    monkeypatch.setenv(MASTER_PORT_ENV, "9")  # inherited: a launcher started inside a worker
+    two = LaunchSpec(target=[PROBE], nproc=1, nnodes=2, rdzv_endpoint="127.0.0.1:29400")
+    assert _reserve_master_port(two, plan_network(two)) is None
+    assert MASTER_PORT_ENV not in os.environ
+    one = LaunchSpec(target=[PROBE], nproc=2)
+    reserved = _reserve_master_port(one, plan_network(one))
+    try:
+        assert os.environ[MASTER_PORT_ENV] == str(reserved.getsockname()[1]) != "9"
+    finally:
+        reserved.close()

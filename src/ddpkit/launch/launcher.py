@@ -19,6 +19,7 @@ import logging
 import os
 import shutil
 import signal
+import socket
 import sys
 import tempfile
 import threading
@@ -250,11 +251,7 @@ def launch(spec: LaunchSpec) -> int:
         rdzv_store = host_rendezvous_store(plan.store_address, plan.endpoint_port)
         plan = dataclasses.replace(plan, endpoint_port=rdzv_store.port)
     os.environ.update({**_worker_environment(spec, plan, run_dir), **tls_env})
-    # One node: rank 0's store port is held here for the whole run. torchrun's agent picks one
-    # by binding port 0 and closing it, and anything may take it before rank 0 listens.
-    reserved = reserve_port(plan.local_address) if spec.nnodes == 1 else None
-    if reserved is not None:
-        os.environ[MASTER_PORT_ENV] = str(reserved.getsockname()[1])
+    reserved = _reserve_master_port(spec, plan)
     if spec.nnodes > 1 and spec.max_restarts == 0:
         threading.Thread(
             target=_stop_if_agent_stuck,
@@ -298,6 +295,19 @@ def launch(spec: LaunchSpec) -> int:
         del rdzv_store
         if reserved is not None:
             reserved.close()
+
+
+def _reserve_master_port(spec: LaunchSpec, plan: NetworkPlan) -> socket.socket | None:
+    """One node: rank 0's store port, held by the launcher for the whole run and exported as
+    ``DDPKIT_MASTER_PORT`` (torchrun's agent picks one by binding port 0 and closing it, and
+    anything may take it before rank 0 listens). Several nodes: ``None``, torchrun's pick, and
+    no value inherited from an enclosing job."""
+    os.environ.pop(MASTER_PORT_ENV, None)
+    if spec.nnodes > 1:  # rank 0 may be on any node
+        return None
+    reserved = reserve_port(plan.local_address)
+    os.environ[MASTER_PORT_ENV] = str(reserved.getsockname()[1])
+    return reserved
 
 
 def _preflight(spec: LaunchSpec) -> NetworkPlan:
