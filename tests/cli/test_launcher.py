@@ -341,3 +341,20 @@ def test_several_nodes_keep_torchruns_port_even_inside_another_job(monkeypatch):
         assert os.environ[MASTER_PORT_ENV] == str(reserved.getsockname()[1]) != "9"
     finally:
         reserved.close()
+
+
+def test_a_rank_that_ends_normally_mid_job_is_named_as_the_cause():
+    # rank 1 ends its script (exit 0) while rank 0 waits in an all-reduce: no rank failed,
+    # the ranks made different numbers of collective calls (uneven batches, a rank-0-only call)
+    result = run_cli(
+        ["-m", "ddpkit", "run", "-n", "2", PROBE, "--finish-rank", "1", "--steps", "5"]
+    )
+    assert result.returncode == 1, result.output
+    assert (
+        "ddpkit run: hint: rank 1 ran its script to the end (exit status 0) while rank 0 was "
+        "still in all_reduce of float64 (1,) at tests/cli/scripts/probe.py:"
+    ) in result.stderr, result.stderr
+    assert (
+        "The first failure in the other ranks' output is the cause"
+        not in result.stderr.split("hint:", 1)[1]
+    )

@@ -107,3 +107,23 @@ def test_a_watchdog_report_shows_each_rank_in_the_summary():
     assert not any(
         "stack of rank" in line or "SIGKILL" in line for line in lines
     )  # stops: not causes
+
+
+def test_a_peer_that_ran_to_its_end_is_named_not_sent_for():
+    # rank 1 had one batch fewer: it finished (exit 0) while rank 0 waited in its last
+    # all-reduce; the hint must not send the user to "the first failure in the other ranks'
+    # output" (there is none) but say the ranks ran different numbers of collectives
+    peer = _record(0, "DistributedError", PEER_RESET.replace("1/2", "0/2"), "all_reduce of "
+                   "float32 (8,) at train.py:20")  # fmt: skip
+    peer = FailureRecord(**{**peer.__dict__, "hint": "a peer's process ended: see its output"})
+    lines = summarize_failure([peer], {0: 1}, LaunchSpec(["x.py"], 2), finished={1})
+    text = "\n".join(lines)
+    assert "see its output" not in text
+    assert (
+        "ddpkit run: hint: rank 1 ran its script to the end (exit status 0) while rank 0 was "
+        "still in all_reduce of float32 (8,) at train.py:20: the ranks made different numbers "
+        "of collective calls." in text
+    ), text
+    assert "build_train_loader" in text and "if rank == 0:" in text
+    without = "\n".join(summarize_failure([peer], {0: 1}, LaunchSpec(["x.py"], 2)))
+    assert "see its output" in without and "ran its script to the end" not in without

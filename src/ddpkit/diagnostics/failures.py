@@ -239,6 +239,12 @@ def newest_done_time(run_dir: str | os.PathLike[str]) -> float:
     return max((p.stat().st_mtime for p in Path(run_dir).glob("done-r*-rank*")), default=0.0)
 
 
+def done_ranks(run_dir: str | os.PathLike[str], restart: int) -> set[int]:
+    """The ranks of attempt ``restart`` that ran their script to its end."""
+    paths = Path(run_dir).glob(f"done-r{restart}-rank*")
+    return {int(p.name.rsplit("rank", 1)[1]) for p in paths}
+
+
 def count_done_records(run_dir: str | os.PathLike[str]) -> int:
     """How many workers of the newest attempt that has any ran their script to its end."""
     restarts = [int(p.name.split("-")[1][1:]) for p in Path(run_dir).glob("done-r*-rank*")]

@@ -29,7 +29,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from ddpkit.diagnostics.failures import LAUNCHER_PID_ENV, RUN_DIR_ENV, read_records
+from ddpkit.diagnostics.failures import LAUNCHER_PID_ENV, RUN_DIR_ENV, done_ranks, read_records
 from ddpkit.distributed.env import ProcessInfo
 from ddpkit.distributed.rendezvous import check_local_route, check_world_size_limit
 from ddpkit.distributed.stop import DEFAULT_STOP_SIGNALS, GRACE_PERIOD_ENV, STOP_SIGNALS_ENV
@@ -331,7 +331,8 @@ def _print_failure_summary(spec: LaunchSpec, run_dir: str, exit_codes: dict[int,
     attempt = max((r.restart for r in records), default=0)
     records = [r for r in records if r.restart == attempt]
     tails = _stderr_tails(run_dir, exit_codes)
-    for line in summarize_failure(records, exit_codes, spec, tails):
+    finished = done_ranks(run_dir, attempt)
+    for line in summarize_failure(records, exit_codes, spec, tails, finished=finished):
         print(line, file=sys.stderr)
 
 

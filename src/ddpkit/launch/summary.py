@@ -103,6 +103,8 @@ def summarize_failure(
     exit_codes: dict[int, int],
     spec: LaunchSpec,
     tails: dict[int, str] | None = None,
+    *,
+    finished: set[int] | frozenset[int] = frozenset(),
 ) -> list[str]:
     """The closing lines of a failed job: the first failure, then how the job ended.
 
@@ -111,6 +113,7 @@ def summarize_failure(
         exit_codes: rank -> exit status as torchrun reported it (negative: killed by a signal).
         spec: the launch.
         tails: rank -> the last bytes of its stderr (see :mod:`ddpkit.launch.stderr_tail`).
+        finished: the ranks of that attempt that ran their script to its end (exit 0).
     """
     lines = []
     label = f"{spec.command}:"
@@ -141,14 +144,7 @@ def summarize_failure(
             )
     mismatch = any(crash.mismatch for crash in crashes.values())
     if records:
-        first = records[0]
-        lines.append(f"{label} {'then' if crashed else 'first failure'}: {first.headline}")
-        if first.type in WATCHDOG_TYPES:
-            lines += [f"{label}   {line}" for line in _report_lines(first)]
-        else:
-            lines += [f"{label}   {line}" for line in _traceback_tail(first.traceback)]
-        if first.hint and not mismatch:
-            lines.append(f"{label} hint: {first.hint}")
+        lines += _first_record_lines(records[0], label, bool(crashed), mismatch, finished)
     if mismatch:
         lines.append(f"{label} hint: {_mismatch_hint(crashes, records)}")
     exited = {rank: code for rank, code in unrecorded.items() if code > 0}
@@ -165,6 +161,45 @@ def summarize_failure(
         restarts = "restarts are off (--max-restarts 0); a restart would fail the same way"
     lines.append(f"{label} job FAILED; all {spec.nproc} processes stopped; {restarts}.")
     return lines
+
+
+def _first_record_lines(
+    first: FailureRecord,
+    label: str,
+    crashed: bool,
+    mismatch: bool,
+    finished: set[int] | frozenset[int],
+) -> list[str]:
+    """The first failure record's headline, where it was, and the hint."""
+    lines = [f"{label} {'then' if crashed else 'first failure'}: {first.headline}"]
+    if first.type in WATCHDOG_TYPES:
+        lines += [f"{label}   {line}" for line in _report_lines(first)]
+    else:
+        lines += [f"{label}   {line}" for line in _traceback_tail(first.traceback)]
+    ended = _peer_that_finished(first, finished)
+    if ended is not None:
+        lines.append(f"{label} hint: {ended}")
+    elif first.hint and not mismatch:
+        lines.append(f"{label} hint: {first.hint}")
+    return lines
+
+
+def _peer_that_finished(first: FailureRecord, finished: set[int] | frozenset[int]) -> str | None:
+    """The hint when the first failure is a peer's process ending and a peer ran to its end:
+    no peer failed, the ranks made different numbers of collective calls."""
+    peer_ended = ("a peer's process ended", "Connection closed by peer", "Connection reset by peer")
+    if not finished or not any(words in first.message for words in peer_ended):
+        return None
+    ranks = ", ".join(map(str, sorted(finished)))
+    where = first.collective or "a collective"
+    return (
+        f"rank {ranks} ran its script to the end (exit status 0) while rank {first.rank} was "
+        f"still in {where}: the ranks made different numbers of collective calls. Usual causes: "
+        "ranks with different numbers of batches (a DataLoader without DistributedSampler, or "
+        "without drop_last; ddpkit.build_train_loader gives every rank the same number), or a "
+        "collective only some ranks call (inside `if rank == 0:`; evaluate and save on every "
+        "rank, or keep collectives out of rank-0-only code)."
+    )
 
 
 def _mismatch_hint(crashes: dict[int, NativeCrash], records: list[FailureRecord]) -> str:

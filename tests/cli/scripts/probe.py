@@ -1,6 +1,6 @@
 """Test script for the launcher: reports its rank, logs, and fails on request.
 
-probe.py [--fail-rank R] [--pid-dir DIR] [--warn-rank R]
+probe.py [--fail-rank R] [--pid-dir DIR] [--warn-rank R] [--finish-rank R] ...
 """
 
 import argparse
@@ -17,6 +17,7 @@ parser.add_argument("--warn-rank", type=int, default=-1)
 parser.add_argument("--exit-rank", type=int, default=-1, help="sys.exit(3) on this rank")
 parser.add_argument("--kill-rank", type=int, default=-1, help="SIGKILL itself at step 3")
 parser.add_argument("--steps", type=int, default=1, help="all-reduces after the checks")
+parser.add_argument("--finish-rank", type=int, default=-1, help="skips those all-reduces, exit 0")
 parser.add_argument("--pid-dir", default=None)
 args = parser.parse_args()
 
@@ -38,7 +39,7 @@ with ddpkit.init_runtime(init_timeout_s=60, train_timeout_s=120) as rt:
     if rt.rank == args.exit_rank:
         time.sleep(0.5)
         sys.exit(3)
-    for step in range(args.steps):  # the collectives a failing rank never joins
+    for step in range(args.steps if rt.rank != args.finish_rank else 0):  # a failing rank's
         if rt.rank == args.kill_rank and step == 3:
             os.kill(os.getpid(), signal.SIGKILL)
         ddpkit.all_reduce_sum([1.0], rt)
