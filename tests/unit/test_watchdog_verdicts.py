@@ -112,3 +112,23 @@ def test_a_rank_gathering_stacks_never_hides_a_peers_abort():
     alone = dist.HashStore()
     Watchdog(alone, ProcessInfo(rank=0, world_size=1))._gather_stacks()  # no request up yet
     assert dist.PrefixStore(PREFIX, alone).get("request") == b"dump"
+
+
+def test_a_stall_with_the_peer_blocked_in_ddps_forward_says_the_collectives_differ():
+    # rank 0's logging all_reduce inside `if rank == 0:` at step 0; rank 1 went on to step 1,
+    # where DDP's forward rebuilds its buckets (a broadcast in C++): no c10d frame to match
+    from ddpkit.distributed.stall_report import STALL_ADVICE, stall_report
+
+    ddp_forward = Position(WAITING, "_pre_forward", site="train.py:30")
+    report = stall_report(
+        0, 2, _in("all_reduce", site="train.py:25"), 15.0, {1: (ddp_forward, None)}
+    )
+    assert report.late_ranks == [1]
+    assert report.advice != STALL_ADVICE and "main_process_first" not in report.advice
+    assert report.advice.startswith(
+        "Rank(s) 1 wait in other torch.distributed code, not in this collective: the ranks are "
+        "most likely in different collectives"
+    ), report.advice
+    assert "if rank == 0:" in report.advice
+    busy = stall_report(0, 2, _in("all_reduce"), 15.0, {1: (Position(RUNNING, "f"), None)})
+    assert busy.advice == STALL_ADVICE  # a rank running code: rank 0 work may be legitimate

@@ -151,7 +151,7 @@ def stall_report(
     Late ranks are the ones not blocked in this same collective: running, elsewhere, silent.
     """
     lines = [f"rank {rank}: {describe(mine, group_labels)} (waiting {waited_s:.0f} s)"]
-    late = []
+    late, elsewhere = [], []
     for peer in sorted(peers):
         position, silent = peers[peer]
         if position is None:
@@ -168,8 +168,21 @@ def stall_report(
             lines.append(f"rank {peer}: busy, {describe(position, group_labels)}")
         else:
             lines.append(f"rank {peer}: waiting elsewhere: {describe(position, group_labels)}")
+            elsewhere.append(peer)
         late.append(peer)
     names = ", ".join(map(str, late)) or "none: every rank is in this collective"
+    advice = STALL_ADVICE
+    if not late:
+        advice = (
+            "Every rank is inside this collective and it does not finish: the network or the "
+            "backend is stuck; see the stacks."
+        )
+    elif elsewhere == late:  # nobody busy: blocked in code the watchdog cannot match
+        advice = (
+            f"Rank(s) {names} wait in other torch.distributed code, not in this collective: the "
+            "ranks are most likely in different collectives (DDP's forward has its own: the "
+            "bucket rebuild after the first step, the buffer broadcast). " + DEADLOCK_ADVICE
+        )
     return StallReport(
         rank=rank,
         world_size=world_size,
@@ -179,12 +192,7 @@ def stall_report(
             f"{mine.site or '?'}; late rank(s): {names}"
         ),
         ranks=lines,
-        advice=STALL_ADVICE
-        if late
-        else (
-            "Every rank is inside this collective and it does not finish: the network or the "
-            "backend is stuck; see the stacks."
-        ),
+        advice=advice,
         waited_s=waited_s,
         late_ranks=late,
     )
