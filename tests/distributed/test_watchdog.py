@@ -157,10 +157,11 @@ print("unreachable")
 """
 
 
-def _run_fault(tmp_path, launcher: list[str]) -> tuple[str, float]:
+def _run_fault(tmp_path, launcher: list[str], fault_step: int = 2) -> tuple[str, float]:
     """Run DDP_FAULT_SCRIPT; return its output and the seconds from the fault to the end."""
     script = tmp_path / "ddp_fault.py"
-    script.write_text(textwrap.dedent(DDP_FAULT_SCRIPT))
+    text = DDP_FAULT_SCRIPT.replace("step == 2", f"step == {fault_step}")
+    script.write_text(textwrap.dedent(text))
     result = run_cli([*launcher, str(script)], timeout_s=120, cwd=str(tmp_path))
     ended_at = time.time()
     out = result.output
@@ -192,6 +193,22 @@ def test_rank0_only_torch_all_reduce_in_a_ddp_loop_is_a_named_deadlock(tmp_path)
     _assert_names_the_ddp_fault(out)
     # whichever rank saw it first reports; the summary leads with that report
     assert re.search(r"ddpkit run: first failure: rank [01]/2 .*DeadlockError: deadlock", out), out
+    assert took_s < 30, f"{took_s:.1f} s from the fault to the end"
+
+
+@pytest.mark.slow
+def test_the_same_fault_at_the_first_step_is_a_named_deadlock(tmp_path):
+    # step 0: rank 1 goes on to step 1, where DDP's forward rebuilds its buckets with two
+    # broadcasts in C++ (no c10d frame). Before, no verdict: the stall report after 300 s.
+    # Plain torch (torchrun) hung there past 120 s in a trial of user-loop bugs.
+    out, took_s = _run_fault(tmp_path, ["-m", "ddpkit", "run", "-n", "2"], fault_step=0)
+    assert "deadlock: the ranks wait in collectives that cannot match" in out, out
+    assert re.search(
+        r"rank 1: DDP forward's bucket rebuild \(in broadcast\) on ddpkit's training group "
+        r"\(ranks 0, 1\), its collective #\d+, called at ddp_fault.py:7",
+        out,
+    ), out
+    assert "unreachable" not in out
     assert took_s < 30, f"{took_s:.1f} s from the fault to the end"
 
 

@@ -15,6 +15,7 @@ sequence number are in the same collective; anything else cannot match.
 
 from __future__ import annotations
 
+import linecache
 import os
 import sysconfig
 from dataclasses import asdict, dataclass
@@ -110,6 +111,10 @@ def locate(frame: FrameType | None, *, idle: bool) -> Position:
     if code.co_filename == _C10D and not code.co_name.startswith("_"):
         state = COLLECTIVE if code.co_name in COLLECTIVES else WAITING
         return _collective(frame, state)
+    if code.co_filename == _DDP and idle:
+        ddp_collective = _ddp_forward_collective(frame)
+        if ddp_collective is not None:
+            return ddp_collective
     if code.co_filename.startswith(_DISTRIBUTED) or code.co_filename == _DDP:
         if idle:  # group creation, DDP's set-up and buffer broadcasts, point-to-point calls
             return Position(WAITING, code.co_name, site=user_site(frame), via=_via(frame))
@@ -140,6 +145,36 @@ def _collective(frame: FrameType, state: str) -> Position:
         via=_via(frame),
         tensor=describe_tensor(next((local[k] for k in _TENSOR_ARGS if k in local), None)),
         outer_op=outer if outer != frame.f_code.co_name else "",
+    )
+
+
+def _ddp_forward_collective(frame: FrameType) -> Position | None:
+    """DDP's forward blocked in its own broadcast, which runs in C++ with no c10d frame: the
+    bucket rebuild at the step after the first backward (``reducer._rebuild_buckets()``, two
+    broadcasts), or the buffer broadcast (``_default_broadcast_coalesced``). Read from the
+    line ``_pre_forward`` is on, and DDP's ``process_group``; else ``None``."""
+    code = frame.f_code
+    if code.co_name == "_pre_forward":
+        if "_rebuild_buckets" not in linecache.getline(code.co_filename, frame.f_lineno):
+            return None
+        what, ddp = "DDP forward's bucket rebuild", frame.f_locals.get("self")
+        group = getattr(ddp, "process_group", None)
+    elif code.co_name == "_default_broadcast_coalesced":
+        what, ddp = "DDP forward's buffer broadcast", frame.f_locals.get("self")
+        group = frame.f_locals.get("process_group") or getattr(ddp, "process_group", None)
+    else:
+        return None
+    if not isinstance(group, dist.ProcessGroup):
+        return None
+    return Position(
+        COLLECTIVE,
+        "broadcast",
+        group=group.group_name,
+        ranks=tuple(dist.get_process_group_ranks(group)),
+        seq=sequence_number(group),
+        site=user_site(frame),
+        via=_via(frame),
+        outer_op=what,
     )
 
 
