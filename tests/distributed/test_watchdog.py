@@ -157,10 +157,13 @@ print("unreachable")
 """
 
 
-def _run_fault(tmp_path, launcher: list[str], fault_step: int = 2) -> tuple[str, float]:
+def _run_fault(
+    tmp_path, launcher: list[str], fault_step: int = 2, module: str = "torch.nn.Linear(4, 4)"
+) -> tuple[str, float]:
     """Run DDP_FAULT_SCRIPT; return its output and the seconds from the fault to the end."""
     script = tmp_path / "ddp_fault.py"
     text = DDP_FAULT_SCRIPT.replace("step == 2", f"step == {fault_step}")
+    text = text.replace("torch.nn.Linear(4, 4)", module)
     script.write_text(textwrap.dedent(text))
     result = run_cli([*launcher, str(script)], timeout_s=120, cwd=str(tmp_path))
     ended_at = time.time()
@@ -197,14 +200,29 @@ def test_rank0_only_torch_all_reduce_in_a_ddp_loop_is_a_named_deadlock(tmp_path)
 
 
 @pytest.mark.slow
-def test_the_same_fault_at_the_first_step_is_a_named_deadlock(tmp_path):
-    # step 0: rank 1 goes on to step 1, where DDP's forward rebuilds its buckets with two
-    # broadcasts in C++ (no c10d frame). Before, no verdict: the stall report after 300 s.
-    # Plain torch (torchrun) hung there past 120 s in a trial of user-loop bugs.
-    out, took_s = _run_fault(tmp_path, ["-m", "ddpkit", "run", "-n", "2"], fault_step=0)
+@pytest.mark.parametrize(
+    "fault_step,module,what",
+    [
+        # step 0: rank 1 goes on to step 1, where DDP's forward rebuilds its buckets
+        (0, "torch.nn.Linear(4, 4)", "bucket rebuild"),
+        # a model with buffers: every forward broadcasts them first
+        (
+            2,
+            "torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.BatchNorm1d(4))",
+            "buffer broadcast",
+        ),
+    ],
+)
+def test_the_fault_with_rank_1_in_ddps_forward_is_a_named_deadlock(
+    tmp_path, fault_step, module, what
+):
+    # DDP's forward broadcasts in C++ (no c10d frame). Before, no verdict: the stall report
+    # after 300 s. Plain torch (torchrun) hung in both past 60 s (trials of 2026-12-02).
+    launcher = ["-m", "ddpkit", "run", "-n", "2"]
+    out, took_s = _run_fault(tmp_path, launcher, fault_step=fault_step, module=module)
     assert "deadlock: the ranks wait in collectives that cannot match" in out, out
     assert re.search(
-        r"rank 1: DDP forward's bucket rebuild \(in broadcast\) on ddpkit's training group "
+        rf"rank 1: DDP forward's {what} \(in broadcast\) on ddpkit's training group "
         r"\(ranks 0, 1\), its collective #\d+, called at ddp_fault.py:7",
         out,
     ), out

@@ -151,17 +151,17 @@ def _collective(frame: FrameType, state: str) -> Position:
 def _ddp_forward_collective(frame: FrameType) -> Position | None:
     """DDP's forward blocked in its own broadcast, which runs in C++ with no c10d frame: the
     bucket rebuild at the step after the first backward (``reducer._rebuild_buckets()``, two
-    broadcasts), or the buffer broadcast (``_default_broadcast_coalesced``). Read from the
+    broadcasts), or the buffer broadcast (``_distributed_broadcast_coalesced``). Read from the
     line ``_pre_forward`` is on, and DDP's ``process_group``; else ``None``."""
     code = frame.f_code
     if code.co_name == "_pre_forward":
         if "_rebuild_buckets" not in linecache.getline(code.co_filename, frame.f_lineno):
             return None
-        what, ddp = "DDP forward's bucket rebuild", frame.f_locals.get("self")
-        group = getattr(ddp, "process_group", None)
-    elif code.co_name == "_default_broadcast_coalesced":
-        what, ddp = "DDP forward's buffer broadcast", frame.f_locals.get("self")
-        group = frame.f_locals.get("process_group") or getattr(ddp, "process_group", None)
+        what = "DDP forward's bucket rebuild"
+        group = getattr(frame.f_locals.get("self"), "process_group", None)
+    elif code.co_name == "_distributed_broadcast_coalesced":
+        what = "DDP forward's buffer broadcast"
+        group = getattr(frame.f_locals.get("self"), "process_group", None)
     else:
         return None
     if not isinstance(group, dist.ProcessGroup):
