@@ -134,6 +134,28 @@ def test_batch_of_one_into_batchnorm_is_explained():
     assert explain(caught.value).startswith("a batch of 1 sample reached BatchNorm")
 
 
+def test_a_state_dict_saved_with_or_without_the_ddp_prefix_is_explained():
+    # saved as model.state_dict() of DDP at 2 processes, loaded at 1 (wrap_model returns the
+    # bare module there), and the other way round: torch's own load_state_dict errors
+    bare = nn.Linear(2, 2)
+    prefixed = {f"module.{k}": v for k, v in bare.state_dict().items()}
+    with pytest.raises(RuntimeError) as caught:
+        bare.load_state_dict(prefixed)
+    hint = explain(caught.value)
+    assert hint is not None and hint.startswith(
+        "the checkpoint's keys start with 'module.' (saved from the DDP wrapper)"
+    ), hint
+    assert "ddpkit.model_state_dict(model)" in hint and "ddpkit.load_model_state" in hint
+    wrapper = nn.Module()
+    wrapper.module = nn.Linear(2, 2)
+    with pytest.raises(RuntimeError) as caught:
+        wrapper.load_state_dict(bare.state_dict())
+    assert explain(caught.value).startswith("the model's keys start with 'module.' (a DDP")
+    with pytest.raises(RuntimeError) as caught:
+        bare.load_state_dict({"other.weight": torch.zeros(2, 2)})
+    assert explain(caught.value) is None  # keys that differ otherwise: not this
+
+
 @pytest.mark.parametrize(
     "message, expected",
     [

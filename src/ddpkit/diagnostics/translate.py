@@ -93,6 +93,21 @@ _KNOWN: tuple[tuple[str | re.Pattern[str], str], ...] = (
         "every world size.",
     ),
     (
+        re.compile(r'Unexpected key\(s\) in state_dict: "module\.'),
+        "the checkpoint's keys start with 'module.' (saved from the DDP wrapper), the model's do "
+        "not (at world size 1 ddpkit.wrap_model returns the module itself). Save with "
+        "ddpkit.model_state_dict(model) and load with ddpkit.load_model_state(model, state): "
+        "the same keys at every world size; for this file, strip the prefix "
+        "({{k.removeprefix('module.'): v for k, v in state.items()}}).",
+    ),
+    (
+        re.compile(r'Missing key\(s\) in state_dict: "module\.'),
+        "the model's keys start with 'module.' (a DDP wrapper), the checkpoint's do not (saved "
+        "from the bare module, e.g. at world size 1). Load with ddpkit.load_model_state(model, "
+        "state), or into ddpkit.unwrap_model(model); save with ddpkit.model_state_dict(model): "
+        "the same keys at every world size.",
+    ),
+    (
         "Expected more than 1 value per channel when training",
         "a batch of 1 sample reached BatchNorm in training mode: after sharding, a rank's last "
         "batch can hold a single sample even when the whole dataset's does not. Pass "
