@@ -159,6 +159,8 @@ def test_a_state_dict_saved_with_or_without_the_ddp_prefix_is_explained():
 @pytest.mark.parametrize(
     "message, expected",
     [
+        ("[../gloo/transport/tcp/unbound_buffer.cc:81] Timed out waiting 10000ms for recv "
+         "operation to complete", "waited 10000 ms, the process group's timeout"),
         ("Expected to mark a variable ready only once. This error is caused by ...",
          "use_reentrant=False, or wrap with static_graph=True"),
         ("'DistributedDataParallel' object has no attribute 'encode'",

@@ -63,6 +63,15 @@ _KNOWN: tuple[tuple[str | re.Pattern[str], str], ...] = (
         "The first failure in the other ranks' output is the cause.",
     ),
     (
+        re.compile(r"Timed out waiting (\d+)ms for (?:recv|send) operation"),
+        "this collective waited {0} ms, the process group's timeout (init_runtime's "
+        "train_timeout_s), for a peer that did not join it: a rank busy longer than that (a "
+        "save or an evaluation on rank 0 only), or one waiting in a different collective. Run "
+        "rank-0-only work under `with rt.main_process_first():` or on every rank, or raise "
+        "train_timeout_s; keep stall_timeout_s below it, so the watchdog names the late rank "
+        "first.",
+    ),
+    (
         "Expected to have finished reduction in the prior iteration",
         "some parameters got no gradient in the previous step, so DDP waited for them. If a "
         "branch is skipped on some steps, pass find_unused_parameters=True "
