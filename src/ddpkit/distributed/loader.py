@@ -3,7 +3,7 @@
 Built by :func:`ddpkit.build_train_loader`; see :mod:`ddpkit.distributed.seeding` for how the
 shuffle stays shared while augmentation randomness differs per rank and worker. Its position in
 an epoch is global (samples done over all ranks), so a checkpoint resumes on any number of ranks
-(:class:`~ddpkit.distributed.sampler.ResumableDistributedSampler` deals out the rest).
+(:class:`~ddpkit.distributed.shards.ResumableDistributedSampler` deals out the rest).
 """
 
 from __future__ import annotations
@@ -218,7 +218,7 @@ class ShardedLoader:
 
         A map-style dataset: ``{"epoch", "samples_done", "epoch_samples"}``, a global cursor:
         the samples of the epoch (over all ranks) done so far and where the epoch's positions
-        end (see :class:`~ddpkit.distributed.sampler.ResumableDistributedSampler`), plus
+        end (see :class:`~ddpkit.distributed.shards.ResumableDistributedSampler`), plus
         ``world_size``, ``batch_size`` and ``dataset_len`` for the record and the checks. The
         cursor means the same on any number of ranks. A stream: ``{"epoch", "batches_done"}``
         per rank, with ``world_size`` and ``num_workers``. A pass whose last batch was handed

@@ -9,16 +9,19 @@ are split by rank x worker the same two ways (:mod:`ddpkit.distributed.streams`)
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sized
+from collections.abc import Sized
 from typing import Any
 
 import torch
-from torch.utils.data import DataLoader, Dataset, DistributedSampler, IterableDataset, Sampler
+from torch.utils.data import DataLoader, Dataset, IterableDataset, WeightedRandomSampler
 
 from ddpkit.distributed.collectives import all_gather_object
+from ddpkit.distributed.fingerprint import dataset_fingerprint, describe, fingerprint_mismatch
 from ddpkit.distributed.loader import ShardedLoader
 from ddpkit.distributed.process_group import Runtime
+from ddpkit.distributed.shards import ResumableDistributedSampler, UnpaddedDistributedSampler
 from ddpkit.distributed.streams import ShardedStream, stream_length
+from ddpkit.distributed.weighted import WeightedDistributedSampler, take_sampler
 from ddpkit.errors import ConfigError
 
 __all__ = [
@@ -28,74 +31,6 @@ __all__ = [
     "build_eval_loader",
     "build_train_loader",
 ]
-
-
-class UnpaddedDistributedSampler(Sampler[int]):
-    """Rank ``r`` of ``n`` gets indices ``r, r+n, r+2n, ...`` in order; nothing is repeated.
-
-    Shards differ in length by at most one sample, so use it only where no collective runs per
-    batch (evaluation with the unwrapped model does not).
-
-    Args:
-        dataset_len: number of samples in the dataset.
-        world_size: the number of ranks (what torch's samplers call ``num_replicas``).
-        rank: this process's rank.
-    """
-
-    def __init__(self, dataset_len: int, *, world_size: int, rank: int) -> None:
-        if not 0 <= rank < world_size:
-            raise ConfigError(f"invalid shard: rank={rank} not in [0, world_size={world_size}).")
-        self.indices = range(rank, dataset_len, world_size)
-
-    def __iter__(self) -> Iterator[int]:
-        return iter(self.indices)
-
-    def __len__(self) -> int:
-        return len(self.indices)
-
-
-class ResumableDistributedSampler(DistributedSampler):
-    """torch's ``DistributedSampler`` whose next pass can resume part-way into the epoch, on any
-    number of ranks.
-
-    An epoch is a sequence of global positions: position ``p`` holds index ``order[p % N]``, with
-    ``order`` torch's permutation of the epoch (from ``seed + epoch``) and ``N`` the dataset
-    length, so positions past ``N`` repeat the first indices exactly as torch pads. torch gives
-    rank ``r`` of ``W`` the positions ``r, r + W, ...`` below its ``total_size``. ``span = (start,
-    end)`` (set by :meth:`ShardedLoader.__iter__`) makes the next pass take positions ``start + r,
-    start + r + W, ...`` below ``end`` instead: at the world size that wrote ``start`` this is
-    torch's shard without its first ``start / W`` indices, bitwise; at another world size it
-    re-shards the rest of the epoch among the new ranks.
-    """
-
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        self.span: tuple[int, int] | None = None
-
-    def epoch_order(self) -> list[int]:
-        """The epoch's permutation of every index, unpadded: torch's own, drawn by a one-replica
-        ``DistributedSampler`` with this sampler's seed, shuffle and epoch."""
-        whole = DistributedSampler(
-            self.dataset, num_replicas=1, rank=0, shuffle=self.shuffle, seed=self.seed
-        )
-        whole.set_epoch(self.epoch)
-        return list(whole)
-
-    def __iter__(self) -> Iterator[int]:
-        span, self.span = self.span, None
-        if span is None:
-            return super().__iter__()
-        order = self.epoch_order()
-        start, end = span
-        return iter(
-            [order[p % len(order)] for p in range(start + self.rank, end, self.num_replicas)]
-        )
-
-    def __len__(self) -> int:
-        if self.span is None:
-            return self.num_samples
-        start, end = self.span
-        return len(range(start + self.rank, end, self.num_replicas))
 
 
 def _refuse_persistent_workers(loader_kwargs: dict) -> None:
@@ -164,8 +99,17 @@ def build_train_loader(
     process (``shuffle`` does not apply; a ``set_epoch(epoch)`` method of the stream is called
     before each pass) and must not shard itself.
 
+    Weighted sampling: pass ``sampler=torch.utils.data.WeightedRandomSampler(weights,
+    num_samples)``; ``num_samples`` is per epoch over all ranks, drawn once from ``seed +
+    epoch`` and split across the ranks (:class:`~ddpkit.distributed.weighted.
+    WeightedDistributedSampler`), resumable like the rest. Any other ``sampler=`` or
+    ``batch_sampler=`` is refused (ddpkit does the sharding).
+
     Collective (world size > 1): call on every rank; one all-gather of the settings, which must
-    agree (dataset length, seed, shuffle, drop_last; num_workers for a stream).
+    agree (dataset length, seed, shuffle, drop_last, the weighted sampler's weights; num_workers
+    for a stream), and of the dataset's fingerprint (:mod:`ddpkit.distributed.fingerprint`:
+    ``Subset`` indices, targets, sampled labels), so ranks that built different data (a
+    per-rank seed before ``random_split``) are refused.
 
     Args:
         dataset: a map-style dataset with ``__len__``, or an ``IterableDataset``.
@@ -178,37 +122,44 @@ def build_train_loader(
         drop_last: drop the tail so the shards are equal without padding.
         max_batches: end every pass after this many batches (``None``: the whole shard).
         **loader_kwargs: passed to ``DataLoader`` (``num_workers``, ``pin_memory``, ...);
-            not ``generator``, which ddpkit seeds per rank and epoch.
+            not ``generator``, which ddpkit seeds per rank and epoch; ``sampler`` only a
+            ``WeightedRandomSampler``.
 
     Raises:
         ConfigError (on every rank): ``batch_size`` is not a positive integer; the dataset is
             empty or has no ``__len__`` and is no stream; a pass would give a rank no batch
             (naming the dataset length, world size, batch size and drop_last); a ``generator``
-            was passed; the settings differ across ranks (naming each rank's).
+            was passed; a ``sampler`` other than ``WeightedRandomSampler`` or a
+            ``batch_sampler``; the settings differ across ranks (naming each rank's); the
+            dataset's fingerprint differs (naming what differs and which ranks).
 
     Example:
         >>> loader = build_train_loader(train_set, rt, batch_size=64, seed=0,  # doctest: +SKIP
         ...                             num_workers=2)
     """
-    loader, error = None, None
+    loader, error, loader_kwargs = None, None, dict(loader_kwargs)
     try:
+        weighted = take_sampler(dataset, loader_kwargs, "build_train_loader")
         loader = _build_local(dataset, runtime, batch_size, shuffle, seed, drop_last, max_batches,
-                              loader_kwargs)  # fmt: skip
+                              weighted, loader_kwargs)  # fmt: skip
     except Exception as exc:  # noqa: BLE001 - every rank must reach the settings exchange
         if runtime.process_group is None:
             raise
         error = exc
+    sampler = None if loader is None else loader.sampler
     settings = {
-        "problem": None if error is None else f"{type(error).__name__}: {error}",
-        "len(dataset)": None if loader is None else _length(dataset),
+        **_common_settings(dataset, runtime, loader is not None, error),
         "seed": seed,
         "shuffle": shuffle,
         "drop_last": drop_last,
         "batch_size": batch_size,
         "num_workers": loader_kwargs.get("num_workers", 0),
+        "sampler": sampler.signature() if isinstance(sampler, WeightedDistributedSampler) else None,
         "batches": None if loader is None or loader.full_pass_batches() is None else len(loader),
     }
-    table = _agree_across_ranks(settings, runtime, isinstance(dataset, IterableDataset))
+    keys = _MUST_AGREE + (("num_workers",) if isinstance(dataset, IterableDataset) else ())
+    table = _agree_across_ranks(settings, runtime, keys, "build_train_loader",
+                                f"the train dataset ({describe(dataset)})")  # fmt: skip
     if error is not None:
         raise error  # this rank's own, once every rank knows it (none waits in the exchange)
     assert loader is not None
@@ -216,6 +167,19 @@ def build_train_loader(
     counts = [row["batches"] for row in table]
     loader.rank_num_batches = counts if None not in counts else None
     return loader
+
+
+def _common_settings(
+    dataset: Dataset, runtime: Runtime, built: bool, error: Exception | None
+) -> dict[str, Any]:
+    """The settings both builders exchange: this rank's problem, the length, the fingerprint
+    (computed only where there is a peer to compare with)."""
+    compare = built and runtime.process_group is not None
+    return {
+        "problem": None if error is None else f"{type(error).__name__}: {error}",
+        "len(dataset)": _length(dataset) if built else None,
+        "dataset": dataset_fingerprint(dataset) if compare else None,
+    }
 
 
 def _build_local(
@@ -226,6 +190,7 @@ def _build_local(
     seed: int,
     drop_last: bool,
     max_batches: int | None,
+    weighted: WeightedRandomSampler | None,
     loader_kwargs: dict[str, Any],
 ) -> ShardedLoader:
     batch_size = _check_batch_size(batch_size)
@@ -248,10 +213,7 @@ def _build_local(
         sampler = None
     else:
         stream = None
-        sampler = ResumableDistributedSampler(
-            dataset, num_replicas=runtime.world_size, rank=runtime.rank, shuffle=shuffle,
-            seed=seed, drop_last=drop_last,
-        )  # fmt: skip
+        sampler = _train_sampler(dataset, runtime, shuffle, seed, drop_last, weighted)
         torch_loader = DataLoader(
             dataset, batch_size=batch_size, sampler=sampler, drop_last=drop_last,
             generator=generator, **loader_kwargs,
@@ -270,13 +232,26 @@ def _build_local(
     return loader
 
 
-_MUST_AGREE = ("len(dataset)", "seed", "shuffle", "drop_last")
+def _train_sampler(
+    dataset: Dataset, runtime: Runtime, shuffle: bool, seed: int, drop_last: bool,
+    weighted: WeightedRandomSampler | None,
+) -> ResumableDistributedSampler:  # fmt: skip
+    shard = {"num_replicas": runtime.world_size, "rank": runtime.rank, "seed": seed,
+             "drop_last": drop_last}  # fmt: skip
+    if weighted is not None:
+        return WeightedDistributedSampler(weighted, **shard)
+    return ResumableDistributedSampler(dataset, shuffle=shuffle, **shard)
+
+
+_MUST_AGREE = ("len(dataset)", "seed", "shuffle", "drop_last", "sampler")
 
 
 def _agree_across_ranks(
-    settings: dict[str, Any], runtime: Runtime, stream: bool
+    settings: dict[str, Any], runtime: Runtime, keys: tuple[str, ...], who: str, what: str
 ) -> list[dict[str, Any]]:
-    """Every rank's loader settings (one all-gather); raise on every rank when they disagree."""
+    """Every rank's loader settings (one all-gather); raise on every rank when they disagree:
+    a rank's own build problem, one of ``keys``, or the dataset fingerprint (``what`` names
+    the dataset)."""
     if runtime.process_group is None:
         return [settings]
     table = all_gather_object(settings, runtime)
@@ -284,10 +259,7 @@ def _agree_across_ranks(
         return table  # the caller raises this rank's own error
     for rank, row in enumerate(table):
         if row["problem"] is not None:
-            raise ConfigError(
-                f"build_train_loader failed on rank {rank}/{runtime.world_size}: {row['problem']}"
-            )
-    keys = _MUST_AGREE + (("num_workers",) if stream else ())
+            raise ConfigError(f"{who} failed on rank {rank}/{runtime.world_size}: {row['problem']}")
     differ = [key for key in keys if len({repr(row[key]) for row in table}) > 1]
     if differ:
         listing = "; ".join(
@@ -295,10 +267,14 @@ def _agree_across_ranks(
             for key in differ
         )
         raise ConfigError(
-            f"train loader settings differ across ranks: {listing}. Every rank must build the "
+            f"{who.removeprefix('build_').replace('_', ' ')} settings differ across ranks: {listing}. Every rank must build the "
             f"loader over the same data with the same {', '.join(keys)}, or the shards overlap "
             "and miss samples. Pass the same values on every rank."
         )
+    mismatch = fingerprint_mismatch([row["dataset"] for row in table], what,
+                                    getattr(runtime, "str_hashes_agree", None))  # fmt: skip
+    if mismatch is not None:
+        raise ConfigError(mismatch)
     return table
 
 
@@ -307,20 +283,51 @@ def build_eval_loader(
 ) -> DataLoader:
     """An evaluation loader over this rank's unpadded shard: each sample on exactly one rank.
 
-    Map-style datasets use :class:`UnpaddedDistributedSampler`; a stream (``IterableDataset``)
-    is split by rank x worker without padding. Shards may differ by a batch across ranks (even
-    be empty on some), which :func:`ddpkit.evaluate` handles (no collective per batch).
+    Map-style datasets use :class:`UnpaddedDistributedSampler`: contiguous blocks in rank
+    order, so ``torch.cat(ddpkit.all_gather(preds, rt))`` of the predictions made over this
+    loader is in dataset order. A stream (``IterableDataset``) is split by rank x worker
+    without padding (rank-major concatenation is then not stream order). Shards may differ by
+    a batch across ranks (even be empty on some), which :func:`ddpkit.evaluate` handles (no
+    collective per batch); every rank knows every rank's batch count
+    (``loader.rank_num_batches``).
+
+    Collective (world size > 1): call on every rank; one all-gather of the length, the batch
+    count and the dataset fingerprint (:mod:`ddpkit.distributed.fingerprint`), which must agree.
 
     Raises:
-        ConfigError: ``batch_size`` is not a positive integer; the dataset is empty or has no
-            ``__len__`` and is no stream; ``drop_last=True`` (samples would be left out).
+        ConfigError (on every rank): ``batch_size`` is not a positive integer; the dataset is
+            empty or has no ``__len__`` and is no stream; ``drop_last=True`` (samples would be
+            left out); a ``sampler=`` or ``batch_sampler=``; the ranks built different data.
     """
+    loader, error, loader_kwargs = None, None, dict(loader_kwargs)
+    try:
+        loader = _build_eval_local(dataset, runtime, batch_size, loader_kwargs)
+    except Exception as exc:  # noqa: BLE001 - every rank must reach the settings exchange
+        if runtime.process_group is None:
+            raise
+        error = exc
+    sized = loader is not None and not isinstance(dataset, IterableDataset)
+    settings = {**_common_settings(dataset, runtime, loader is not None, error),
+                "batches": len(loader) if sized else None}  # fmt: skip
+    table = _agree_across_ranks(settings, runtime, ("len(dataset)",), "build_eval_loader",
+                                f"the evaluation dataset ({describe(dataset)})")  # fmt: skip
+    if error is not None:
+        raise error
+    assert loader is not None
+    loader.rank_num_batches = [row["batches"] for row in table]  # type: ignore[attr-defined]
+    return loader
+
+
+def _build_eval_local(
+    dataset: Dataset, runtime: Runtime, batch_size: int, loader_kwargs: dict[str, Any]
+) -> DataLoader:
     batch_size = _check_batch_size(batch_size)
     if loader_kwargs.get("drop_last"):
         raise ConfigError(
             "build_eval_loader: drop_last=True would leave samples out of the metrics. "
             "Evaluation counts every sample exactly once; drop the argument."
         )
+    take_sampler(dataset, loader_kwargs, "build_eval_loader")
     if isinstance(dataset, IterableDataset):
         _refuse_persistent_workers(loader_kwargs)
         stream = ShardedStream(dataset, runtime.rank, runtime.world_size, pad=False,
