@@ -305,6 +305,49 @@ def test_ddpkit_evaluate_on_one_rank_only_is_a_named_deadlock(tmp_path):
                      report), report  # fmt: skip
 
 
+def _grad_enabled_validation(rt, use_no_grad: bool = False, samples: int = 5):
+    """A user's own validation loop through the DDP wrapper, in eval() mode, on eval shards of
+    3 and 2 batches (5 samples): without torch.no_grad() each forward is a collective."""
+    import logging
+
+    warnings: list[str] = []
+    handler = logging.Handler()
+    handler.emit = lambda record: warnings.append(record.getMessage())  # type: ignore[method-assign]
+    logging.getLogger("ddpkit").addHandler(handler)
+    net = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.BatchNorm1d(4))
+    model = ddpkit.wrap_model(net, rt)
+    data = torch.utils.data.TensorDataset(torch.randn(samples, 3), torch.zeros(samples).long())
+    loader = ddpkit.build_eval_loader(data, rt, batch_size=1)
+    model.eval()
+    total = 0.0
+    for x, _ in loader:
+        if use_no_grad:
+            with torch.no_grad():
+                total += float(model(x).sum())
+        else:
+            total += float(model(x).sum().detach())  # UNEVEN FORWARD
+    ddpkit.all_reduce_sum([total], rt)
+    return [w for w in warnings if "grad enabled in eval() mode" in w]
+
+
+@pytest.mark.slow
+def test_a_grad_enabled_validation_loop_on_uneven_shards_names_its_cause(tmp_path):
+    report = _report_of(tmp_path, _grad_enabled_validation, world_size=2)
+    assert "rank 0: DDP forward's buffer broadcast (in broadcast)" in report, report
+    assert (
+        "rank(s) 0 run one more forward because the evaluation shards are uneven "
+        "(build_eval_loader batches: rank 0 3, rank 1 2)" in report
+    ), report
+    assert "Evaluate under torch.no_grad(), on ddpkit.unwrap_model(model)" in report
+    assert "`if rank == 0:`" not in report  # not the generic branch advice
+
+
+def test_a_grad_enabled_forward_in_eval_mode_is_warned_about_once():
+    warned = run_distributed(_grad_enabled_validation, 2, args=(False, 4))  # even: no deadlock
+    assert [len(w) for w in warned] == [1, 1] and "torch.no_grad()" in warned[0][0]
+    assert run_distributed(_grad_enabled_validation, 2, args=(True, 5)) == [[], []]
+
+
 # --- no false alarm; a busy rank past the stall threshold ---------------------------------------
 
 

@@ -314,7 +314,10 @@ def build_eval_loader(
     if error is not None:
         raise error
     assert loader is not None
-    loader.rank_num_batches = [row["batches"] for row in table]  # type: ignore[attr-defined]
+    counts = [row["batches"] for row in table]
+    loader.rank_num_batches = counts  # type: ignore[attr-defined]
+    if runtime.watchdog is not None and None not in counts and len(set(counts)) > 1:
+        runtime.watchdog.eval_batches = counts  # a deadlock in a DDP forward then names them
     return loader
 
 

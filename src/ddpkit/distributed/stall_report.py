@@ -21,6 +21,13 @@ DEADLOCK_ADVICE = (
     "collective inside `if rank == 0:` (or any branch that differs between ranks) is the usual "
     "cause. Call it on every rank, or move it out of the branch."
 )
+DDP_FORWARD_ADVICE = (
+    "A forward through the DDP wrapper with grad enabled is a collective (DDP broadcasts the "
+    "buffers and, after the first backward, rebuilds its buckets in it), so a forward that some "
+    "ranks run and others do not deadlocks: {cause}. Evaluate under torch.no_grad(), on "
+    "ddpkit.unwrap_model(model), or with ddpkit.evaluate(model, loader, rt); uneven training "
+    "data: ddpkit.join_uneven_inputs."
+)
 STALL_ADVICE = (
     "If the busy rank does legitimate work the others wait for (rank 0 downloading or "
     "preprocessing), run it under `with rt.main_process_first():` (the others wait at its "
@@ -119,8 +126,13 @@ def deadlock_report(
     positions: dict[int, Position],
     waited_s: float,
     group_labels: dict[str, str] | None = None,
+    eval_batches: list[int] | None = None,
 ) -> StallReport:
-    """The report of a deadlock seen by ``rank`` (every rank blocked for ``waited_s``)."""
+    """The report of a deadlock seen by ``rank`` (every rank blocked for ``waited_s``).
+
+    ``eval_batches``: every rank's batch count of the last uneven evaluation loader built
+    (``build_eval_loader``), named as the cause when a rank is in a DDP forward's collective.
+    """
     lines = [f"rank {r}: {describe(positions[r], group_labels)}" for r in sorted(positions)]
     return StallReport(
         rank=rank,
@@ -131,9 +143,28 @@ def deadlock_report(
             f"found by rank {rank}):"
         ),
         ranks=lines,
-        advice=DEADLOCK_ADVICE,
+        advice=_deadlock_advice(positions, eval_batches),
         waited_s=waited_s,
     )
+
+
+def _deadlock_advice(positions: dict[int, Position], eval_batches: list[int] | None) -> str:
+    forward = sorted(r for r, p in positions.items() if p.outer_op.startswith("DDP forward"))
+    if not forward:
+        return DEADLOCK_ADVICE
+    who = ", ".join(map(str, forward))
+    if eval_batches is not None:
+        shards = ", ".join(f"rank {r} {n}" for r, n in enumerate(eval_batches))
+        cause = (
+            f"rank(s) {who} run one more forward because the evaluation shards are uneven "
+            f"(build_eval_loader batches: {shards})"
+        )
+    else:
+        cause = (
+            f"rank(s) {who} run a forward the others do not, usually because one rank has more "
+            "batches (uneven evaluation shards or inputs) or skips a batch"
+        )
+    return DDP_FORWARD_ADVICE.format(cause=cause)
 
 
 def stall_report(

@@ -132,6 +132,7 @@ class Watchdog:
         self.on_stall = on_stall or self._report_and_exit
         self.group_labels = dict(group_labels or {})
         self.recorder = recorder
+        self.eval_batches: list[int] | None = None  # the last uneven eval loader's, by rank
         self._groups = [weakref.ref(g) for g in groups if g is not None]
         self._store = dist.PrefixStore(PREFIX, store)
         self._thread_id = threading.get_ident()
@@ -295,7 +296,8 @@ class Watchdog:
         waited_s = min(stayed for _, stayed in found.values())
         if waited_s < self.deadlock_timeout_s:
             return False
-        report = deadlock_report(self.info.rank, positions, waited_s, self.group_labels)
+        report = deadlock_report(self.info.rank, positions, waited_s, self.group_labels,
+                                 self.eval_batches)  # fmt: skip
         self._fire(report)
         return True
 

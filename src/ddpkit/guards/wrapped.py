@@ -20,6 +20,10 @@ rank trains on its own gradients and the job exits 0), and ddpkit catches them b
   post-accumulate-grad hook on each parameter notices a gradient that arrives when no new
   forward of the wrapper has run since that parameter's previous gradient.
 
+Also warned about, once per process: a forward through the wrapper with grad enabled while the
+model is in ``eval()`` mode (a validation loop without ``torch.no_grad()``): DDP's forward is a
+collective then, and uneven evaluation shards deadlock it.
+
 Cost when nothing is wrong: one pre-hook call and one list comparison per forward, one Python
 hook call per parameter per backward (see ``bench/wrap_guard_cost.py``). Nothing is added to the
 user's modules (hooks live on the wrapper and the parameter tensors, which ``copy.deepcopy`` and
@@ -41,12 +45,20 @@ from torch.nn.modules import module as torch_module
 from ddpkit.distributed.collectives import gather_per_rank
 from ddpkit.distributed.process_group import Runtime
 from ddpkit.errors import DistributedError
+from ddpkit.log import get_logger
 
 REWRAP = (
     "Re-wrap after changing the model: model = ddpkit.wrap_model(ddpkit.unwrap_model(model), "
     "runtime), then build the optimizer over its parameters again"
 )
+EVAL_FORWARD_WARNING = (
+    "forward through the DDP wrapper with grad enabled in eval() mode: such a forward is a "
+    "collective (DDP broadcasts buffers and rebuilds buckets in it), so on uneven evaluation "
+    "shards the rank with one batch more waits forever. Evaluate under torch.no_grad(), on "
+    "ddpkit.unwrap_model(model), or with ddpkit.evaluate(model, loader, rt)."
+)
 _MAX_NAMES = 8
+log = get_logger("guards")
 
 
 class WrappedModelError(DistributedError):
@@ -182,6 +194,7 @@ class WrapGuard:
         self.num_forwards = 0  # forwards of the wrapper with gradients enabled
         self._last_forward = [0] * len(self.params)  # num_forwards at each one's last gradient
         self._handles: list[Any] = []
+        self._warned_eval = False
 
     def attach(self) -> WrapGuard:
         """Register the hooks (detaching any earlier guard of the same module); returns self."""
@@ -218,6 +231,9 @@ class WrapGuard:
             self._raise_flags_changed()
         if torch.is_grad_enabled():
             self.num_forwards += 1
+            if not self.module.training and not self._warned_eval:
+                self._warned_eval = True
+                log.warning(EVAL_FORWARD_WARNING)
 
     def _check_structure(self) -> None:
         now = dict(self.module.named_parameters())
