@@ -10,7 +10,8 @@ Resuming puts all of them back, so a run stopped at step k and resumed ends bitw
 uninterrupted run; on another world size the loader's global position re-shards the rest of the
 epoch (see :meth:`CheckpointManager.resume`). Replicated state is written by rank 0 after it was
 compared across ranks (:mod:`ddpkit.checkpoint.consistency`): a copy that differs on some rank
-is reported, never silently dropped.
+is reported, never silently dropped. An LR scheduler or a used ``GradScaler`` left out of the
+state is named in one warning (:mod:`ddpkit.checkpoint.forgotten`).
 
 Example::
 
@@ -44,6 +45,7 @@ from ddpkit.checkpoint.consistency import (
     replicated_digests,
     section_name,
 )
+from ddpkit.checkpoint.forgotten import ForgottenStateCheck
 from ddpkit.checkpoint.io import (
     MANIFEST,
     checkpoint_dir_name,
@@ -152,7 +154,9 @@ class CheckpointManager:
             saved unwrapped (no ``module.``/``_orig_mod.`` prefix) and its parameters must
             agree across ranks (an ``fsdp`` model: its buffers); sharded state (``fsdp``,
             ``ZeroRedundancyOptimizer``) is saved by every rank, its own shard.
-            The names key the checkpoint: resume with the same names. An object with a
+            The names key the checkpoint: resume with the same names. An LR scheduler or a used
+            ``GradScaler`` the job has but left out is named in a warning on rank 0 at the first
+            :meth:`resume` and the first save (once each). An object with a
             ``before_checkpoint(runtime, step)`` method gets it called on every rank at the
             start of each save (it may be a collective, e.g. folding per-rank sums so that rank
             0's copy is everyone's).
@@ -207,6 +211,7 @@ class CheckpointManager:
         self.every_epochs = every_epochs
         self.async_save = async_save
         self._async: AsyncShardedSaves | None = None
+        self._forgotten = ForgottenStateCheck()  # a scheduler/scaler left out of state
 
     def _managed(self, action: str) -> dict[str, Any]:
         if not self.state:
@@ -216,6 +221,12 @@ class CheckpointManager:
                 "state={'model': model, 'optimizer': optimizer, ...})."
             )
         return self.state
+
+    def _check_forgotten(self, occasion: str) -> None:
+        """Rank 0, at the first resume and the first save: warn of a used LR scheduler or
+        GradScaler left out of the state (see :mod:`ddpkit.checkpoint.forgotten`)."""
+        if self.runtime.is_rank_zero:
+            self._forgotten.run(self.state, occasion)
 
     def save(self, step: int) -> Path:
         """Write checkpoint ``step`` of the managed state; returns its folder once complete.
@@ -248,6 +259,7 @@ class CheckpointManager:
             >>> ckpt.save(step)  # doctest: +SKIP
         """
         managed, start = self._managed("save"), time.perf_counter()
+        self._check_forgotten("save")
         for obj in managed.values():  # every rank, in the same order: they may be collectives
             if callable(getattr(obj, "before_checkpoint", None)):
                 obj.before_checkpoint(self.runtime, step)
@@ -449,6 +461,7 @@ class CheckpointManager:
             >>> step = ckpt.resume()  # doctest: +SKIP
         """
         self._managed("resume")
+        self._check_forgotten("resume")
         self.wait()  # an asynchronous save in flight is committed first
         if path is not None:
             found: tuple[Path, dict[str, Any]] | None = (Path(path), load_checkpoint(Path(path)))

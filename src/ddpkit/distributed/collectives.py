@@ -183,7 +183,9 @@ def all_gather(tensor: torch.Tensor, runtime: Runtime) -> list[torch.Tensor]:
     What metrics need from each rank's predictions (one batch count per rank): the sizes are
     gathered first, each tensor padded to the largest, gathered with torch's ``all_gather``, and
     trimmed back. ``torch.cat(ddpkit.all_gather(preds, rt))`` is every rank's rows, rank 0's
-    first (for :func:`~ddpkit.build_eval_loader`'s shards: rank-major, not dataset order).
+    first. Over :func:`~ddpkit.build_eval_loader`'s shards (contiguous blocks in rank order) that
+    is dataset order, so the predictions line up with the dataset's labels; over a training
+    loader's shards (shuffled, padded) or a stream's (rank x worker slots) it is not.
 
     Collective: call on every rank, with tensors of the same dtype and the same trailing
     dimensions ``(n_r, *rest)`` (``n_r`` may be 0); two all-gathers. At world size 1 it returns
