@@ -38,6 +38,7 @@ from ddpkit.diagnostics.failures import (
     write_stop_record,
 )
 from ddpkit.distributed.env import ProcessInfo, detect_process_info, slurm_rendezvous_defaults
+from ddpkit.distributed.hashseed import warn_if_str_hashes_differ
 from ddpkit.distributed.rendezvous import (
     check_local_route,
     check_world_size_limit,
@@ -100,6 +101,10 @@ class Runtime:
             ``None`` (off, or a single process).
         stop: the stop signals' handlers and the ranks' agreement
             (:class:`~ddpkit.distributed.stop.StopRequest`), or ``None`` (off).
+        str_hashes_agree: whether ``hash(str)`` is the same on every rank (one
+            ``PYTHONHASHSEED``), compared at the rendezvous; when ``False``, anything ordered by
+            ``set()`` or string hashes differs per rank (:mod:`ddpkit.distributed.hashseed`).
+            ``True`` at world size 1.
 
     Built by :func:`init_runtime`. ``Runtime(ProcessInfo())`` is one CPU process without a
     process group (for tests and tools); every field after ``info`` is keyword-only.
@@ -114,6 +119,7 @@ class Runtime:
     debug_collectives: bool = False
     watchdog: Watchdog | None = None
     stop: StopRequest | None = None
+    str_hashes_agree: bool = True
     _closed: bool = field(default=False, repr=False)
 
     @property
@@ -346,6 +352,10 @@ def init_runtime(
     At world size 1 no process group is created and every ddpkit collective is a local no-op, so
     the same script runs as a plain ``python train.py``.
 
+    The rendezvous also compares ``hash(str)`` across ranks (:mod:`ddpkit.distributed.hashseed`):
+    when ``PYTHONHASHSEED`` is unset or differs (plain torchrun, srun), rank 0 logs one warning
+    and :attr:`Runtime.str_hashes_agree` is ``False`` on every rank.
+
     Collective: call on every rank (it is the rendezvous).
 
     Args:
@@ -409,7 +419,7 @@ def init_runtime(
         )
     if store is None:
         _check_master_address(info)
-    store = _rendezvous(info, store, init_timeout_s, chosen=chosen, device=device)
+    store, hashes_agree = _rendezvous(info, store, init_timeout_s, chosen=chosen, device=device)
     dist.init_process_group(
         backend=chosen,
         rank=info.rank,
@@ -430,7 +440,9 @@ def init_runtime(
         device=device,
         process_group=group,
         train_timeout_s=float(train_timeout_s),
+        str_hashes_agree=hashes_agree,
     )
+    warn_if_str_hashes_differ(info, hashes_agree)
     runtime.watchdog = watchdog
     runtime.stop = stop if stop.install() else None
     return runtime
@@ -465,9 +477,10 @@ def _rendezvous(
     *,
     chosen: str,
     device: torch.device,
-) -> dist.Store:
+) -> tuple[dist.Store, bool]:
     """The job's store, once every rank has joined it (names missing/duplicate ranks, checks
-    the job token); also turns on faulthandler and selects the CUDA device for nccl."""
+    the job token), and whether the ranks' string hashes agree; also turns on faulthandler and
+    selects the CUDA device for nccl."""
     token = load_token()
     if not faulthandler.is_enabled():  # a native abort (gloo's, NCCL's) still shows the stack
         faulthandler.enable(all_threads=True)
@@ -477,8 +490,7 @@ def _rendezvous(
         check_local_route(os.environ["MASTER_ADDR"])  # lo down: say so now, not after the timeout
         agent_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
         store = (_attempt_store if agent_store else make_store)(info, init_timeout_s)
-    join(store, info, init_timeout_s, token)
-    return store
+    return store, join(store, info, init_timeout_s, token)
 
 
 def _start_watchdog(

@@ -28,6 +28,7 @@ import uuid
 import torch.distributed as dist
 
 from ddpkit.distributed.env import ProcessInfo
+from ddpkit.distributed.hashseed import str_hash_probe
 from ddpkit.errors import ConfigError, DistributedError
 from ddpkit.log import get_logger
 from ddpkit.security.bind import check_store_address, listening_socket
@@ -201,6 +202,7 @@ def _job_record(store: dist.Store, info: ProcessInfo, token: bytes | None) -> di
             "world_size": info.world_size,
             "challenge": challenge,
             "verifier": mac(token, challenge, "verify") if token else "",
+            "str_hash": str_hash_probe(),
         }
     )
     job = json.loads(store.compare_set(f"{PREFIX}/job", "", mine).decode())
@@ -251,13 +253,21 @@ def join(
     timeout_s: float,
     token: bytes | None = None,
     poll_s: float = 0.05,
-) -> None:
+) -> bool:
     """Claim this rank in ``store`` and wait until all ``world_size`` ranks have joined.
 
     With a job ``token`` (:mod:`ddpkit.security.token`) a process must prove it holds the job's
     token to be admitted, and every rank verifies every other rank's proof.
 
+    Every rank also compares its :func:`~ddpkit.distributed.hashseed.str_hash_probe` with the
+    one in the job record (the first process's) and counts itself in a second counter when they
+    differ, *before* it counts itself in: once all have joined, that counter is final. Cost: one
+    store read per rank.
+
     Collective: call on every rank, before ``init_process_group`` with the same store.
+
+    Returns:
+        Whether ``hash(str)`` agrees on every rank (see :mod:`ddpkit.distributed.hashseed`).
 
     Raises:
         DistributedError: another process already claimed this rank (raised on both); fewer
@@ -274,6 +284,8 @@ def join(
         claims = f"{_owner(owner)} and {_owner(me)}"
         store.set(f"{PREFIX}/duplicate", f"{info.rank}|{claims}")
         raise _duplicate_error(info.rank, claims)
+    if job.get("str_hash", str_hash_probe()) != str_hash_probe():  # older records lack it
+        store.add(f"{PREFIX}/str_hash_differs", 1)
     store.add(f"{PREFIX}/count", 1)
     log = get_logger("rendezvous")
     start = last_note = time.monotonic()
@@ -294,6 +306,7 @@ def join(
         time.sleep(poll_s)
     if token is not None:
         _verify_claims(store, info, token, job)
+    return store.add(f"{PREFIX}/str_hash_differs", 0) == 0
 
 
 def _who_joined(store: dist.Store, info: ProcessInfo) -> str:

@@ -7,6 +7,8 @@ What ddpkit adds over calling torchrun yourself:
   at 127.0.0.1 and gloo binds the loopback interface (``GLOO_SOCKET_IFNAME=lo``), so nothing
   outside this machine can reach any of the job's ports;
 - ``OMP_NUM_THREADS`` set to the usable cores divided by the number of processes (when unset);
+- one ``PYTHONHASHSEED`` for every worker of the job, derived from the rendezvous run id (when
+  unset; :mod:`ddpkit.distributed.hashseed`), so ``set()`` of strings has one order on every rank;
 - every worker runs under :mod:`ddpkit.launch.worker`, which records the first failure and shuts
   the process group down so the job never aborts at exit;
 - a closing summary that names the rank that failed *first*, with its exception type and message.
@@ -31,6 +33,7 @@ from pathlib import Path
 
 from ddpkit.diagnostics.failures import LAUNCHER_PID_ENV, RUN_DIR_ENV, done_ranks, read_records
 from ddpkit.distributed.env import ProcessInfo
+from ddpkit.distributed.hashseed import hash_seed_environment
 from ddpkit.distributed.rendezvous import check_local_route, check_world_size_limit
 from ddpkit.distributed.stop import DEFAULT_STOP_SIGNALS, GRACE_PERIOD_ENV, STOP_SIGNALS_ENV
 from ddpkit.errors import ConfigError
@@ -250,7 +253,8 @@ def launch(spec: LaunchSpec) -> int:
     if plan.store_address is not None:
         rdzv_store = host_rendezvous_store(plan.store_address, plan.endpoint_port)
         plan = dataclasses.replace(plan, endpoint_port=rdzv_store.port)
-    os.environ.update({**_worker_environment(spec, plan, run_dir), **tls_env})
+    run_id = _run_id(spec)
+    os.environ.update({**_worker_environment(spec, plan, run_dir, run_id), **tls_env})
     reserved = _reserve_master_port(spec, plan)
     if spec.nnodes > 1 and spec.max_restarts == 0:
         threading.Thread(
@@ -264,7 +268,6 @@ def launch(spec: LaunchSpec) -> int:
         logging.getLogger(name).addFilter(quiet)
     agent_logger, announcer = announce_restarts(spec.command, elastic=spec.elastic)
     try:
-        run_id = uuid.uuid4().hex if spec.nnodes == 1 else spec.rdzv_id
         argv = torchrun_argv(spec, plan, run_id)
         with blocked_while_workers_start(spec.stop_signals):
             torchrun.run(torchrun.parse_args(argv))
@@ -381,8 +384,17 @@ def _stderr_tails(run_dir: str, exit_codes: dict[int, int]) -> dict[int, str]:
     return tails
 
 
-def _worker_environment(spec: LaunchSpec, plan: NetworkPlan, run_dir: str) -> dict[str, str]:
-    """Variables every worker inherits: where the stores and gloo bind, threads, bookkeeping.
+def _run_id(spec: LaunchSpec) -> str:
+    """The rendezvous run id: a new one per job on one node; several nodes: ``--rdzv-id``, the
+    one name every node's launcher is given."""
+    return uuid.uuid4().hex if spec.nnodes == 1 else spec.rdzv_id
+
+
+def _worker_environment(
+    spec: LaunchSpec, plan: NetworkPlan, run_dir: str, run_id: str
+) -> dict[str, str]:
+    """Variables every worker inherits: where the stores and gloo bind, threads, bookkeeping,
+    and one hash seed for the job (from ``run_id``; kept when ``PYTHONHASHSEED`` is set).
 
     No shared agent store (torchrun's listens on every interface): rank 0 serves the job's
     store on its node's address only (ddpkit's ``make_store``), and gloo binds that interface.
@@ -397,6 +409,7 @@ def _worker_environment(spec: LaunchSpec, plan: NetworkPlan, run_dir: str) -> di
         "OMP_NUM_THREADS": os.environ.get(
             "OMP_NUM_THREADS", str(max(1, usable_cores() // spec.nproc))
         ),
+        **hash_seed_environment(run_id),
     }
     if spec.omp_num_threads is not None:
         env["OMP_NUM_THREADS"] = str(spec.omp_num_threads)

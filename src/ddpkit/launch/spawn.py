@@ -15,6 +15,8 @@ What it guarantees:
   (:data:`PRELOAD`): a rank starts in milliseconds instead of the ~3 s a fresh interpreter needs.
   Each rank still gets the caller's current environment and working folder. Pass
   ``start_method="spawn"`` where a test needs a virgin interpreter (import order, shutdown);
+- one string-hash salt for every rank of a run, as under ``ddpkit run``: forked ranks share
+  the forkserver's, spawned ones start with one ``PYTHONHASHSEED``;
 - rendezvous through a ``FileStore`` in a fresh temporary folder (no port is ever chosen, so no
   race and no collision between tests);
 - three nested timeouts: the process group's (``pg_timeout_s``), the harness's (``timeout_s``,
@@ -37,6 +39,8 @@ import traceback
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
+
+from ddpkit.distributed.hashseed import HASH_SEED_ENV, job_hash_seed
 
 # What the forkserver imports once, so every rank forked from it starts warm. torch._dynamo is
 # most of DDP's first construction (2.9 of 2.95 s); the comm hooks, most of a hooked DDP's.
@@ -170,7 +174,8 @@ def run_distributed(
         timeout_s: the harness limit for the whole run, in seconds; every rank is killed then.
         pg_timeout_s: the process group's init and collective timeout, in seconds.
         init: create the process group (through a ``FileStore``) before calling ``fn``.
-        env: extra environment variables for every rank.
+        env: extra environment variables for every rank (``PYTHONHASHSEED`` takes effect
+            with ``spawn`` only: a forked rank keeps its parent's string-hash salt).
         start_method: ``forkserver`` (default: ranks forked from a server that preloaded
             :data:`PRELOAD`, given this process's environment and working folder), ``spawn``
             (a virgin interpreter per rank, ~3 s slower) or ``fork``; ``fork`` is refused once
@@ -216,12 +221,35 @@ def run_distributed(
         for rank in range(world_size)
     ]
     try:
-        for proc in procs:
-            proc.start()
+        _start(procs, start_method, workdir, env or {})
         return _collect(procs, Path(workdir), timeout_s)
     finally:
         _kill_all(procs)
         shutil.rmtree(workdir, ignore_errors=True)
+
+
+def _start(
+    procs: list[mp.process.BaseProcess], start_method: str, workdir: str, env: dict[str, str]
+) -> None:
+    """Start every rank, with one string-hash salt for the run.
+
+    ``spawn``: each rank's interpreter reads ``PYTHONHASHSEED`` as it starts, before ``env`` is
+    applied, so this process's environment holds the seed while they start: ``env``'s, else
+    this process's, else one derived from the run's folder (as ``ddpkit run`` derives one from
+    its run id). Forked ranks (forkserver, fork) keep their parent's salt: they agree already,
+    and a ``PYTHONHASHSEED`` in ``env`` cannot change their ``hash()``.
+    """
+    saved = os.environ.get(HASH_SEED_ENV)
+    if start_method == "spawn":
+        os.environ[HASH_SEED_ENV] = env.get(HASH_SEED_ENV) or saved or str(job_hash_seed(workdir))
+    try:
+        for proc in procs:
+            proc.start()
+    finally:
+        if saved is None:
+            os.environ.pop(HASH_SEED_ENV, None)
+        else:
+            os.environ[HASH_SEED_ENV] = saved
 
 
 def _ensure_forkserver() -> None:
