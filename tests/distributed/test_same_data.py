@@ -243,3 +243,33 @@ def test_gathered_eval_predictions_are_in_dataset_order():
     assert run_distributed(_gathered_predictions, 3, args=(True,)) == [1.0] * 3
     plain = run_distributed(_gathered_predictions, 3, args=(False,))
     assert plain[0] < 0.5  # interleaved shards: the same gather scores like chance
+
+
+# --- the fingerprint's pieces, one process -------------------------------------------------
+
+
+def test_the_fingerprint_names_the_string_hash_cause_when_the_runtime_saw_one():
+    from ddpkit.distributed.fingerprint import dataset_fingerprint, fingerprint_mismatch
+
+    a = dataset_fingerprint(Relabelled(10, rank=0))
+    b = dataset_fingerprint(Relabelled(10, rank=1))
+    assert fingerprint_mismatch([a, a], "the train dataset (X)", False) is None
+    hashed = fingerprint_mismatch([a, b], "the train dataset (X)", False)
+    assert "targets differ" in hashed and "export PYTHONHASHSEED=0" in hashed
+    assert "PYTHONHASHSEED" not in fingerprint_mismatch([a, b], "the train dataset (X)", True)
+
+
+def test_the_fingerprint_sees_concat_sizes_and_ignores_augmentation():
+    from torch.utils.data import ConcatDataset
+
+    from ddpkit.distributed.fingerprint import dataset_fingerprint
+
+    torch.manual_seed(0)
+    first = dataset_fingerprint(Augmented(12))
+    torch.manual_seed(1)
+    assert dataset_fingerprint(Augmented(12)) == first  # random items: the same fingerprint
+    assert set(first) == {"length", "targets"}
+    whole = TensorDataset(torch.arange(10))
+    one = dataset_fingerprint(ConcatDataset([torch.utils.data.Subset(whole, range(4)), whole]))
+    other = dataset_fingerprint(ConcatDataset([torch.utils.data.Subset(whole, range(1, 5)), whole]))
+    assert one["length"] == other["length"] == "14" and one["indices"] != other["indices"]
