@@ -60,3 +60,36 @@ def test_gloo_threads_end_with_the_runtime():
         assert during >= 2  # the groups really ran gloo threads
         assert captured == []  # torch's module kept no reference to the default group
         assert after == 0
+
+
+def _collectives_after_close(rt) -> dict[str, str]:
+    """Each ddpkit collective called after the runtime closed: the first line of what it
+    raised, or what it returned (before: the local value, silently)."""
+    total = ddpkit.all_reduce_sum([rt.rank + 1.0], rt).tolist()  # inside: the job's sum
+    rt.close()
+    calls = {
+        "all_reduce_sum": lambda: ddpkit.all_reduce_sum([rt.rank + 1.0], rt).tolist(),
+        "all_reduce": lambda: ddpkit.all_reduce(torch.ones(2), rt).tolist(),
+        "barrier": lambda: ddpkit.barrier(rt),
+        "all_gather": lambda: ddpkit.all_gather(torch.ones(2), rt),
+        "all_gather_object": lambda: ddpkit.all_gather_object(rt.rank, rt),
+    }
+    out = {"inside": repr(total)}
+    for name, call in calls.items():
+        try:
+            out[name] = f"returned {call()!r}"
+        except ddpkit.DistributedError as exc:
+            out[name] = str(exc)
+    return out
+
+
+def test_collectives_after_the_runtime_closed_raise_instead_of_answering_alone():
+    for rank, out in enumerate(run_distributed(_collectives_after_close, 2)):
+        assert out.pop("inside") == "[3.0]"
+        for name, said in out.items():
+            op = "all_reduce" if name == "all_reduce_sum" else name
+            assert said.startswith(
+                f"{op} after the runtime closed: rank={rank}, world_size=2. The process group is "
+                "gone"
+            ), (name, said)
+            assert "before rt.close()" in said

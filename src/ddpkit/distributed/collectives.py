@@ -92,7 +92,11 @@ def all_reduce(
     Returns:
         Same shape and dtype as ``tensor``, on ``tensor``'s device: the reduction, identical on
         every rank.
+
+    Raises:
+        DistributedError: the runtime was closed (also from every collective built on this one).
     """
+    runtime.check_open("all_reduce")
     result = tensor.detach().clone()
     if runtime.process_group is None:
         return result
@@ -148,7 +152,12 @@ def gather_per_rank(values: Sequence[float], runtime: Runtime) -> torch.Tensor:
 
 
 def barrier(runtime: Runtime) -> None:
-    """Wait until every rank reaches this call. Collective. A no-op at world size 1."""
+    """Wait until every rank reaches this call. Collective. A no-op at world size 1.
+
+    Raises:
+        DistributedError: the runtime was closed.
+    """
+    runtime.check_open("barrier")
     if runtime.process_group is not None:
         with runtime.watch("barrier"):
             dist.barrier(group=runtime.process_group)
@@ -166,9 +175,13 @@ def all_gather_object(obj: Any, runtime: Runtime) -> list[Any]:
     Returns:
         ``[rank 0's obj, rank 1's obj, ...]``, the same on every rank (unpickled copies).
 
+    Raises:
+        DistributedError: the runtime was closed.
+
     Example:
         >>> names = ddpkit.all_gather_object(my_ids, rt)   # list of lists   # doctest: +SKIP
     """
+    runtime.check_open("all_gather_object")
     if runtime.process_group is None:
         return [obj]
     gathered: list[Any] = [None] * runtime.world_size
@@ -201,7 +214,7 @@ def all_gather(tensor: torch.Tensor, runtime: Runtime) -> list[torch.Tensor]:
     Raises:
         TypeError: ``tensor`` is not a ``torch.Tensor`` (before any communication).
         DistributedError (on every rank): dtypes or trailing dimensions differ across ranks,
-            naming each rank's dtype and shape; or more than 8 dims.
+            naming each rank's dtype and shape; or more than 8 dims; the runtime was closed.
 
     Example:
         >>> preds = torch.cat(ddpkit.all_gather(logits.argmax(1), rt))   # doctest: +SKIP
@@ -212,6 +225,7 @@ def all_gather(tensor: torch.Tensor, runtime: Runtime) -> list[torch.Tensor]:
             "torch.as_tensor(value), or gather any picklable object with "
             "ddpkit.all_gather_object(value, runtime)."
         )
+    runtime.check_open("all_gather")
     if runtime.process_group is None:
         return [tensor.detach().clone()]
     work = tensor.detach().to(runtime.device)

@@ -240,6 +240,21 @@ class Runtime:
             "between nodes went down; see the other ranks' output."
         )
 
+    def check_open(self, op: str) -> None:
+        """Raise unless the runtime is open: a collective after :meth:`close` would otherwise
+        return this rank's own value (world size 1's answer) as if it were the job's.
+
+        Raises:
+            DistributedError: the runtime was closed (its ``with`` block ended, or ``close()``).
+        """
+        if self._closed:
+            raise DistributedError(
+                f"{op} after the runtime closed: rank={self.rank}, world_size={self.world_size}. "
+                "The process group is gone, so no rank would take part and the result would be "
+                "this rank's own value. Call collectives inside the `with ddpkit.init_runtime() "
+                "as rt:` block, before rt.close()."
+            )
+
     def close(self) -> None:
         """Destroy every process group this process created. Idempotent; safe on error paths.
 
