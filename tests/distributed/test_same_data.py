@@ -273,3 +273,88 @@ def test_the_fingerprint_sees_concat_sizes_and_ignores_augmentation():
     one = dataset_fingerprint(ConcatDataset([torch.utils.data.Subset(whole, range(4)), whole]))
     other = dataset_fingerprint(ConcatDataset([torch.utils.data.Subset(whole, range(1, 5)), whole]))
     assert one["length"] == other["length"] == "14" and one["indices"] != other["indices"]
+
+
+def test_labels_of_objects_and_bfloat16_rows_fingerprint_alike_in_two_builds():
+    import numpy as np
+
+    from ddpkit.distributed.fingerprint import dataset_fingerprint
+
+    class Labelled(Dataset):
+        def __init__(self, labels) -> None:
+            self.labels = labels
+
+        def __len__(self) -> int:
+            return len(self.labels)
+
+    class Note:  # no __repr__ of its own: the default one holds an address
+        pass
+
+    def strings():  # new str objects each call: an object array's bytes are their addresses
+        return np.array([f"class-{i % 3}" for i in range(30)], dtype=object)
+
+    assert dataset_fingerprint(Labelled(strings())) == dataset_fingerprint(Labelled(strings()))
+    notes = [dataset_fingerprint(Labelled([Note() for _ in range(5)])) for _ in range(2)]
+    assert notes[0] == notes[1] and "targets" not in notes[0]  # left out, not a false alarm
+    rows = torch.randn(10, 3).bfloat16()  # numpy has no bfloat16
+    same = dataset_fingerprint(TensorDataset(rows.clone()))
+    assert same == dataset_fingerprint(TensorDataset(rows.clone()))
+    assert same != dataset_fingerprint(TensorDataset(rows + 1))
+
+
+class _LazyTargets(Dataset):
+    """Labels read from a file on first use: missing on rank 1 (a node without the data)."""
+
+    def __init__(self, rank: int) -> None:
+        self.rank = rank
+
+    def __len__(self) -> int:
+        return 10
+
+    @property
+    def targets(self):
+        if self.rank == 1:
+            raise FileNotFoundError("labels.csv")
+        return list(range(10))
+
+
+def _lazy(runtime):
+    ddpkit.build_eval_loader(_LazyTargets(runtime.rank), runtime, batch_size=2)
+
+
+def test_a_fingerprint_that_fails_on_one_rank_is_heard_by_every_rank():
+    with pytest.raises(DistributedTestError) as info:
+        run_distributed(_lazy, 2, timeout_s=30)
+    messages = _messages(info.value)
+    assert messages, info.value
+    for message in messages:
+        assert "FileNotFoundError" in message and "labels.csv" in message, message
+
+
+def test_a_weighted_position_does_not_resume_a_plain_shuffle_nor_the_reverse():
+    data = TensorDataset(torch.arange(20))
+    weighted = WeightedRandomSampler([1.0] * 20, num_samples=20)
+    states = {}
+    for name, extra in (("plain", {}), ("weighted", {"sampler": weighted})):
+        loader = ddpkit.build_train_loader(data, _single(), batch_size=4, **extra)
+        batches = iter(loader)
+        next(batches)  # one batch in: a position inside the epoch
+        states[name] = loader.state_dict()
+        assert states[name]["samples_done"] == 4
+    plain = ddpkit.build_train_loader(data, _single(), batch_size=4)
+    with pytest.raises(ddpkit.ConfigError, match="loader state of another sampler: this loader "
+                       "draws a shuffle of the dataset; the state was written by one drawing "
+                       "weights"):  # fmt: skip
+        plain.load_state_dict(states["weighted"])
+    again = ddpkit.build_train_loader(data, _single(), batch_size=4, sampler=weighted)
+    with pytest.raises(ddpkit.ConfigError, match="loader state of another sampler"):
+        again.load_state_dict(states["plain"])
+    again.load_state_dict(states["weighted"])  # its own: fine
+    assert states["weighted"]["dataset_len"] == 20
+
+
+def test_more_draws_without_replacement_than_weighted_samples_is_refused_when_built():
+    data = TensorDataset(torch.arange(10))
+    sampler = WeightedRandomSampler([1.0] * 4 + [0.0] * 6, num_samples=5, replacement=False)
+    with pytest.raises(ddpkit.ConfigError, match="num_samples=5 without replacement from 4"):
+        ddpkit.build_train_loader(data, _single(), batch_size=2, sampler=sampler)

@@ -305,7 +305,7 @@ def test_ddpkit_evaluate_on_one_rank_only_is_a_named_deadlock(tmp_path):
                      report), report  # fmt: skip
 
 
-def _grad_enabled_validation(rt, use_no_grad: bool = False, samples: int = 5):
+def _grad_enabled_validation(rt, use_no_grad: bool = False, samples: int = 5, norm=True):
     """A user's own validation loop through the DDP wrapper, in eval() mode, on eval shards of
     3 and 2 batches (5 samples): without torch.no_grad() each forward is a collective."""
     import logging
@@ -314,7 +314,9 @@ def _grad_enabled_validation(rt, use_no_grad: bool = False, samples: int = 5):
     handler = logging.Handler()
     handler.emit = lambda record: warnings.append(record.getMessage())  # type: ignore[method-assign]
     logging.getLogger("ddpkit").addHandler(handler)
-    net = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.BatchNorm1d(4))
+    net = torch.nn.Sequential(
+        torch.nn.Linear(3, 4), torch.nn.BatchNorm1d(4) if norm else torch.nn.LayerNorm(4)
+    )  # BatchNorm's running stats are buffers, which DDP's forward broadcasts
     model = ddpkit.wrap_model(net, rt)
     data = torch.utils.data.TensorDataset(torch.randn(samples, 3), torch.zeros(samples).long())
     loader = ddpkit.build_eval_loader(data, rt, batch_size=1)
@@ -335,8 +337,8 @@ def test_a_grad_enabled_validation_loop_on_uneven_shards_names_its_cause(tmp_pat
     report = _report_of(tmp_path, _grad_enabled_validation, world_size=2)
     assert "rank 0: DDP forward's buffer broadcast (in broadcast)" in report, report
     assert (
-        "rank(s) 0 run one more forward because the evaluation shards are uneven "
-        "(build_eval_loader batches: rank 0 3, rank 1 2)" in report
+        "rank(s) 0 run a forward the others do not; if it is an evaluation pass, because the "
+        "evaluation shards are uneven (build_eval_loader batches: rank 0 3, rank 1 2)" in report
     ), report
     assert "Evaluate under torch.no_grad(), on ddpkit.unwrap_model(model)" in report
     assert "`if rank == 0:`" not in report  # not the generic branch advice
@@ -346,6 +348,8 @@ def test_a_grad_enabled_forward_in_eval_mode_is_warned_about_once():
     warned = run_distributed(_grad_enabled_validation, 2, args=(False, 4))  # even: no deadlock
     assert [len(w) for w in warned] == [1, 1] and "torch.no_grad()" in warned[0][0]
     assert run_distributed(_grad_enabled_validation, 2, args=(True, 5)) == [[], []]
+    # no buffers, no backward yet: such a forward communicates nothing, uneven shards finish
+    assert run_distributed(_grad_enabled_validation, 2, args=(False, 5, False)) == [[], []]
 
 
 # --- no false alarm; a busy rank past the stall threshold ---------------------------------------

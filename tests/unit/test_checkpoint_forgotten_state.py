@@ -268,3 +268,24 @@ def test_a_resumed_run_with_the_scaler_in_state_goes_on_at_the_same_scale(tmp_pa
     resumed = _scaled_run(tmp_path / "k", stop_at=None, resume=True, in_state=True)
     assert resumed.state_dict() == uninterrupted.state_dict()
     assert resumed.get_scale() == 16384.0
+
+
+def test_a_deleted_scheduler_is_not_named_though_torch_marked_the_optimizer(tmp_path, caplog):
+    model, optimizer = _sgd()
+    scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=2)
+    del scheduler
+    gc.collect()
+    assert getattr(optimizer.step, "_wrapped_by_lr_sched", False)  # the mark outlives it
+    state = {"model": model, "optimizer": optimizer}
+    ddpkit.CheckpointManager(tmp_path, _runtime(), state=state).save(1)
+    assert _warnings(caplog) == []
+
+
+def test_a_second_managers_scaler_is_not_taken_for_this_ones(tmp_path, caplog):
+    (g, opt_g), (d, opt_d) = _sgd(), _sgd()
+    scaler_g, scaler_d = torch.amp.GradScaler("cpu"), torch.amp.GradScaler("cpu")
+    _sgd_step(g, opt_g, scaler_g)
+    _sgd_step(d, opt_d, scaler_d)  # D's scaler, saved by D's manager
+    state = {"model": g, "optimizer": opt_g, "scaler": scaler_g}
+    ddpkit.CheckpointManager(tmp_path / "g", _runtime(), state=state).save(1)
+    assert _warnings(caplog) == []

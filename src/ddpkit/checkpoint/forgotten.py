@@ -5,14 +5,15 @@ LR (0.029 instead of 0.0006 at step 20 of a one-cycle run) or the loss scale at 
 ``init_scale``. :class:`ForgottenStateCheck` names each such object in one warning line, with
 the fix. How they are found:
 
-- an optimizer an LR scheduler drives: every ``LRScheduler`` built on it wraps its ``step``
-  (``optimizer.step._wrapped_by_lr_sched``, torch's own mark), and the live schedulers name the
-  class and find a ``ReduceLROnPlateau``, which wraps nothing. The optimizers looked at are the
-  values of ``state`` and what they hold one level down (a ``ZeroRedundancyOptimizer`` or
+- an optimizer an LR scheduler drives: a live scheduler (``LRScheduler`` or
+  ``ReduceLROnPlateau``) whose ``optimizer`` it is (torch's own mark,
+  ``optimizer.step._wrapped_by_lr_sched``, is not used: it stays after the scheduler is
+  gone). The optimizers looked at are the values of ``state`` and what they hold one level down (a ``ZeroRedundancyOptimizer`` or
   ``PostLocalSGDOptimizer``'s ``optim``, your own object holding a dict of optimizers).
 - a ``torch.amp.GradScaler`` (``torch.cuda.amp.GradScaler`` subclasses it) that is enabled and
-  was used (its scale is made at its first ``scale()``). Nothing on the optimizer marks it, so
-  the live instances are looked up.
+  was used (its scale is made at its first ``scale()``), while ``state`` holds no enabled
+  scaler at all. Nothing on the optimizer marks which scaler steps it, so with one in ``state``
+  another live one (a GAN's second manager) is taken to belong elsewhere.
 
 A scheduler or scaler counts as saved when it is a value of ``state`` or held one level down by
 one. Live objects come from one pass over ``gc.get_objects()``: 17-35 ms (median 19-25 ms) in
@@ -107,7 +108,7 @@ def _forgotten_schedulers(
             if id(opt) in saved or ("scheduler", id(opt)) in lines:
                 continue
             drivers = [s for s in live if getattr(s, "optimizer", None) is opt]
-            if drivers or getattr(opt.step, "_wrapped_by_lr_sched", False):
+            if drivers:  # live ones only: torch's mark on opt.step outlives a deleted one
                 lines["scheduler", id(opt)] = _scheduler_line(state, key, opt, drivers)
     return lines
 
@@ -133,8 +134,9 @@ def forgotten_state(state: Mapping[str, Any]) -> dict[tuple[str, int], str]:
     held = [x for obj in state.values() for x in _one_level(obj)]
     live = live_objects(SCHEDULERS + SCALERS)
     lines = _forgotten_schedulers(state, held, [s for s in live if _is(s, SCHEDULERS)])
-    saved = {id(x) for x in held if _is(x, SCALERS)}
-    for scaler in (s for s in live if _is(s, SCALERS) and id(s) not in saved):
+    if any(_is(x, SCALERS) and x.is_enabled() for x in held):
+        return lines  # this state saves its scaler: another live one is another job part's
+    for scaler in (s for s in live if _is(s, SCALERS)):
         if scaler.is_enabled() and getattr(scaler, "_scale", None) is not None:
             lines["scaler", id(scaler)] = _scaler_line(state, scaler)
     return lines

@@ -8,9 +8,10 @@ class 3 while rank 0 calls it 7 (issue 23: 10 of 10 ids differed, test accuracy 
 0.905 with one seed).
 
 - ``ddpkit run`` and ``ddpkit train`` give every worker of a job one ``PYTHONHASHSEED``
-  (:func:`hash_seed_environment`), derived from the rendezvous run id, which every node's
-  launcher already holds: the same on every node and after every restart, with no
-  communication. A ``PYTHONHASHSEED`` already set is passed through unchanged.
+  (:func:`hash_seed_environment`), derived from the job's ``--rdzv-id`` (default
+  ``ddpkit``), which every node's launcher already holds: the same on every node, after every
+  restart and for every submission of the job (a resumed job orders its strings as the
+  checkpointed one did), with no communication. A ``PYTHONHASHSEED`` already set is passed through unchanged.
 - :func:`ddpkit.init_runtime` compares :func:`str_hash_probe` across ranks inside its rendezvous
   (:func:`ddpkit.distributed.rendezvous.join`, no extra collective), keeps the verdict in
   ``Runtime.str_hashes_agree`` and warns once, on rank 0, when the hashes differ (plain
@@ -35,7 +36,7 @@ MAX_HASH_SEED = 2**32 - 1  # Python accepts 0..2**32-1; 0 turns the salt off, so
 
 
 def job_hash_seed(job_id: str) -> int:
-    """The ``PYTHONHASHSEED`` of job ``job_id`` (the rendezvous run id): in ``[1, 2**32-1]``,
+    """The ``PYTHONHASHSEED`` of job ``job_id`` (its ``--rdzv-id``): in ``[1, 2**32-1]``,
     from its sha256, so every node that knows the id derives the same one.
 
     Example:
@@ -65,6 +66,13 @@ def str_hashes_warning(rank0_seed: str | None) -> str:
     """The warning rank 0 logs when the ranks' string hashes differ (``rank0_seed``: its
     ``PYTHONHASHSEED``, ``None`` when unset)."""
     seed = "unset" if rank0_seed is None else repr(rank0_seed)
+    if rank0_seed == "random":
+        return (
+            "string hashes differ across ranks: PYTHONHASHSEED='random' gives every process its "
+            "own salt. Anything ordered by set() or by the hash of strings (class ids from "
+            "list(set(labels)), vocabularies) then differs per rank, silently. Set a fixed value "
+            "(`export PYTHONHASHSEED=0`), or unset it under `ddpkit run`, which sets one."
+        )
     return (
         f"string hashes differ across ranks: PYTHONHASHSEED={seed} on rank 0 (unset, 'random' "
         "or different on the other ranks). Anything ordered by set() or by the hash of strings "

@@ -228,7 +228,8 @@ class ShardedLoader:
         batch_size = self.loader.batch_size or 1
         meta: dict[str, Any] = {"world_size": self._world_size, "batch_size": batch_size}
         if self.sampler is not None:
-            meta["dataset_len"] = len(self.sampler.dataset)
+            meta["dataset_len"] = len(self.loader.dataset)  # type: ignore[arg-type]
+            meta["sampler"] = self._sampler_signature()
         else:
             meta["num_workers"] = self.loader.num_workers
         current = self._pass
@@ -273,13 +274,22 @@ class ShardedLoader:
 
     def _map_position(self, state: dict[str, Any]) -> tuple[int, int]:
         """``(samples_done, epoch_samples)`` of a map-style state, old formats converted."""
-        length = len(self.sampler.dataset)
+        length = len(self.loader.dataset)  # type: ignore[arg-type]
         saved_len = state.get("dataset_len", length)
         if saved_len != length:
             raise ConfigError(
                 f"loader state of another dataset: len(dataset)={length}, the state was written "
                 f"for a dataset of {saved_len} samples. Resume with the same data set, or start "
                 "fresh."
+            )
+        mine, saved = self._sampler_signature(), state.get("sampler")
+        if saved != mine and state.get("samples_done", state.get("batches_done")):
+            raise ConfigError(
+                f"loader state of another sampler: this loader draws "
+                f"{mine or 'a shuffle of the dataset'}; the state was written by one drawing "
+                f"{saved or 'a shuffle of the dataset'}, so its position means other samples. "
+                "Resume with the same sampler (weights, num_samples, replacement), or start the "
+                "epoch fresh."
             )
         if "samples_done" in state:
             return int(state["samples_done"]), int(state["epoch_samples"])
@@ -293,6 +303,12 @@ class ShardedLoader:
                 f"{saved_size} ranks."
             )
         return batches * (self.loader.batch_size or 1) * self._world_size, self.sampler.total_size
+
+    def _sampler_signature(self) -> str | None:
+        """A weighted sampler's ``signature()`` (weights hashed, num_samples, replacement);
+        ``None`` for the plain shuffle."""
+        signature = getattr(self.sampler, "signature", None)
+        return signature() if callable(signature) else None
 
     def _stream_position(self, state: dict[str, Any]) -> int:
         batches = int(state["batches_done"])

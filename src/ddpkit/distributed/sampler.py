@@ -9,7 +9,7 @@ are split by rank x worker the same two ways (:mod:`ddpkit.distributed.streams`)
 
 from __future__ import annotations
 
-from collections.abc import Sized
+from collections.abc import Callable, Sized
 from typing import Any
 
 import torch
@@ -137,18 +137,17 @@ def build_train_loader(
         >>> loader = build_train_loader(train_set, rt, batch_size=64, seed=0,  # doctest: +SKIP
         ...                             num_workers=2)
     """
-    loader, error, loader_kwargs = None, None, dict(loader_kwargs)
-    try:
+    loader_kwargs = dict(loader_kwargs)
+
+    def build() -> ShardedLoader:
         weighted = take_sampler(dataset, loader_kwargs, "build_train_loader")
-        loader = _build_local(dataset, runtime, batch_size, shuffle, seed, drop_last, max_batches,
-                              weighted, loader_kwargs)  # fmt: skip
-    except Exception as exc:  # noqa: BLE001 - every rank must reach the settings exchange
-        if runtime.process_group is None:
-            raise
-        error = exc
+        return _build_local(dataset, runtime, batch_size, shuffle, seed, drop_last, max_batches,
+                            weighted, loader_kwargs)  # fmt: skip
+
+    loader, common, error = _local(build, dataset, runtime)
     sampler = None if loader is None else loader.sampler
     settings = {
-        **_common_settings(dataset, runtime, loader is not None, error),
+        **common,
         "seed": seed,
         "shuffle": shuffle,
         "drop_last": drop_last,
@@ -169,17 +168,23 @@ def build_train_loader(
     return loader
 
 
-def _common_settings(
-    dataset: Dataset, runtime: Runtime, built: bool, error: Exception | None
-) -> dict[str, Any]:
-    """The settings both builders exchange: this rank's problem, the length, the fingerprint
-    (computed only where there is a peer to compare with)."""
-    compare = built and runtime.process_group is not None
-    return {
-        "problem": None if error is None else f"{type(error).__name__}: {error}",
-        "len(dataset)": _length(dataset) if built else None,
-        "dataset": dataset_fingerprint(dataset) if compare else None,
-    }
+def _local(
+    build: Callable[[], Any], dataset: Dataset, runtime: Runtime
+) -> tuple[Any, dict[str, Any], Exception | None]:
+    """``(loader, settings, error)``: this rank's loader, built, and what both builders
+    exchange about it (its problem, the length, the fingerprint, computed only where there is a
+    peer to compare with). With peers a failure is returned, not raised, so that every rank
+    reaches the exchange and hears it; alone it is raised."""
+    try:
+        loader = build()
+        fingerprint = dataset_fingerprint(dataset) if runtime.process_group is not None else None
+        return loader, {"problem": None, "len(dataset)": _length(dataset),
+                        "dataset": fingerprint}, None  # fmt: skip
+    except Exception as exc:  # noqa: BLE001 - every rank must reach the settings exchange
+        if runtime.process_group is None:
+            raise
+        problem = f"{type(exc).__name__}: {exc}"
+        return None, {"problem": problem, "len(dataset)": None, "dataset": None}, exc
 
 
 def _build_local(
@@ -267,7 +272,8 @@ def _agree_across_ranks(
             for key in differ
         )
         raise ConfigError(
-            f"{who.removeprefix('build_').replace('_', ' ')} settings differ across ranks: {listing}. Every rank must build the "
+            f"{who.removeprefix('build_').replace('_', ' ')} settings differ across ranks: "
+            f"{listing}. Every rank must build the "
             f"loader over the same data with the same {', '.join(keys)}, or the shards overlap "
             "and miss samples. Pass the same values on every rank."
         )
@@ -299,16 +305,12 @@ def build_eval_loader(
             empty or has no ``__len__`` and is no stream; ``drop_last=True`` (samples would be
             left out); a ``sampler=`` or ``batch_sampler=``; the ranks built different data.
     """
-    loader, error, loader_kwargs = None, None, dict(loader_kwargs)
-    try:
-        loader = _build_eval_local(dataset, runtime, batch_size, loader_kwargs)
-    except Exception as exc:  # noqa: BLE001 - every rank must reach the settings exchange
-        if runtime.process_group is None:
-            raise
-        error = exc
+    loader_kwargs = dict(loader_kwargs)
+    loader, common, error = _local(
+        lambda: _build_eval_local(dataset, runtime, batch_size, loader_kwargs), dataset, runtime
+    )
     sized = loader is not None and not isinstance(dataset, IterableDataset)
-    settings = {**_common_settings(dataset, runtime, loader is not None, error),
-                "batches": len(loader) if sized else None}  # fmt: skip
+    settings = {**common, "batches": len(loader) if sized else None}
     table = _agree_across_ranks(settings, runtime, ("len(dataset)",), "build_eval_loader",
                                 f"the evaluation dataset ({describe(dataset)})")  # fmt: skip
     if error is not None:
@@ -316,8 +318,9 @@ def build_eval_loader(
     assert loader is not None
     counts = [row["batches"] for row in table]
     loader.rank_num_batches = counts  # type: ignore[attr-defined]
-    if runtime.watchdog is not None and None not in counts and len(set(counts)) > 1:
-        runtime.watchdog.eval_batches = counts  # a deadlock in a DDP forward then names them
+    if runtime.watchdog is not None:  # a deadlock in a DDP forward names uneven eval shards
+        uneven = None not in counts and len(set(counts)) > 1
+        runtime.watchdog.eval_batches = counts if uneven else None
     return loader
 
 

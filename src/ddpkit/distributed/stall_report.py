@@ -156,8 +156,8 @@ def _deadlock_advice(positions: dict[int, Position], eval_batches: list[int] | N
     if eval_batches is not None:
         shards = ", ".join(f"rank {r} {n}" for r, n in enumerate(eval_batches))
         cause = (
-            f"rank(s) {who} run one more forward because the evaluation shards are uneven "
-            f"(build_eval_loader batches: {shards})"
+            f"rank(s) {who} run a forward the others do not; if it is an evaluation pass, "
+            f"because the evaluation shards are uneven (build_eval_loader batches: {shards})"
         )
     else:
         cause = (

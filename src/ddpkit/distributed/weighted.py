@@ -12,6 +12,7 @@ draw's positions; :class:`~ddpkit.distributed.shards.ResumableDistributedSampler
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Iterator
 from typing import Any
 
@@ -62,9 +63,8 @@ class WeightedDistributedSampler(ResumableDistributedSampler):
         return super().__iter__()
 
     def signature(self) -> str:
-        """What must agree across ranks: the weights (hashed), ``num_samples``, replacement."""
-        import hashlib
-
+        """What must agree across ranks and between a checkpoint and its resume: the weights
+        (hashed), ``num_samples``, replacement."""
         data = self.weights.detach().cpu().numpy().tobytes()
         digest = hashlib.blake2b(data, digest_size=8).hexdigest()
         return f"weights {digest}, num_samples={len(self.dataset)}, replacement={self.replacement}"
@@ -86,7 +86,8 @@ def take_sampler(
 
     Raises:
         ConfigError: another sampler, a batch sampler, a weighted sampler in evaluation, or
-            weights whose length is not ``len(dataset)``.
+            weights whose length is not ``len(dataset)``, or more samples drawn without
+            replacement than have a non-zero weight.
     """
     if loader_kwargs.get("batch_sampler") is not None:
         name = type(loader_kwargs["batch_sampler"]).__name__
@@ -104,6 +105,13 @@ def take_sampler(
             raise ConfigError(
                 f"{who}: WeightedRandomSampler has len(weights)={len(sampler.weights)} but "
                 f"len(dataset)={len(dataset)}. Give one weight per sample."
+            )
+        drawable = int((torch.as_tensor(sampler.weights) > 0).sum())
+        if not sampler.replacement and sampler.num_samples > drawable:
+            raise ConfigError(
+                f"{who}: WeightedRandomSampler draws num_samples={sampler.num_samples} without "
+                f"replacement from {drawable} samples of non-zero weight. Lower num_samples, or "
+                "pass replacement=True."
             )
         return sampler
     if who == "build_eval_loader":

@@ -21,8 +21,9 @@ rank trains on its own gradients and the job exits 0), and ddpkit catches them b
   forward of the wrapper has run since that parameter's previous gradient.
 
 Also warned about, once per process: a forward through the wrapper with grad enabled while the
-model is in ``eval()`` mode (a validation loop without ``torch.no_grad()``): DDP's forward is a
-collective then, and uneven evaluation shards deadlock it.
+model is in ``eval()`` mode (a validation loop without ``torch.no_grad()``) when that forward is
+one of DDP's collectives (it broadcasts buffers, or the one-time bucket rebuild is due):
+uneven evaluation shards deadlock it.
 
 Cost when nothing is wrong: one pre-hook call and one list comparison per forward, one Python
 hook call per parameter per backward (see ``bench/wrap_guard_cost.py``). Nothing is added to the
@@ -55,7 +56,8 @@ EVAL_FORWARD_WARNING = (
     "forward through the DDP wrapper with grad enabled in eval() mode: such a forward is a "
     "collective (DDP broadcasts buffers and rebuilds buckets in it), so on uneven evaluation "
     "shards the rank with one batch more waits forever. Evaluate under torch.no_grad(), on "
-    "ddpkit.unwrap_model(model), or with ddpkit.evaluate(model, loader, rt)."
+    "ddpkit.unwrap_model(model), or with ddpkit.evaluate(model, loader, rt) (training in "
+    "eval() mode on purpose: ignore this)."
 )
 _MAX_NAMES = 8
 log = get_logger("guards")
@@ -232,8 +234,20 @@ class WrapGuard:
         if torch.is_grad_enabled():
             self.num_forwards += 1
             if not self.module.training and not self._warned_eval:
-                self._warned_eval = True
-                log.warning(EVAL_FORWARD_WARNING)
+                self._warn_if_collective(module)
+
+    def _warn_if_collective(self, ddp_model: nn.Module) -> None:
+        """Warn (once) when this grad-enabled eval-mode forward is one of DDP's collectives:
+        it broadcasts buffers, or its one-time bucket rebuild (after the first backward) is
+        still to come. Otherwise it communicates nothing, and uneven shards are harmless."""
+        buffers = getattr(ddp_model, "broadcast_buffers", False) and bool(
+            getattr(ddp_model, "modules_buffers", ())
+        )
+        backward_ran = any(self._last_forward)
+        rebuild = backward_ran and not getattr(ddp_model, "_has_rebuilt_buckets", True)
+        if buffers or rebuild:
+            self._warned_eval = True
+            log.warning(EVAL_FORWARD_WARNING)
 
     def _check_structure(self) -> None:
         now = dict(self.module.named_parameters())

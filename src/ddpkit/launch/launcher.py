@@ -7,7 +7,7 @@ What ddpkit adds over calling torchrun yourself:
   at 127.0.0.1 and gloo binds the loopback interface (``GLOO_SOCKET_IFNAME=lo``), so nothing
   outside this machine can reach any of the job's ports;
 - ``OMP_NUM_THREADS`` set to the usable cores divided by the number of processes (when unset);
-- one ``PYTHONHASHSEED`` for every worker of the job, derived from the rendezvous run id (when
+- one ``PYTHONHASHSEED`` for every worker of the job, derived from ``--rdzv-id`` (when
   unset; :mod:`ddpkit.distributed.hashseed`), so ``set()`` of strings has one order on every rank;
 - every worker runs under :mod:`ddpkit.launch.worker`, which records the first failure and shuts
   the process group down so the job never aborts at exit;
@@ -254,7 +254,7 @@ def launch(spec: LaunchSpec) -> int:
         rdzv_store = host_rendezvous_store(plan.store_address, plan.endpoint_port)
         plan = dataclasses.replace(plan, endpoint_port=rdzv_store.port)
     run_id = _run_id(spec)
-    os.environ.update({**_worker_environment(spec, plan, run_dir, run_id), **tls_env})
+    os.environ.update({**_worker_environment(spec, plan, run_dir), **tls_env})
     reserved = _reserve_master_port(spec, plan)
     if spec.nnodes > 1 and spec.max_restarts == 0:
         threading.Thread(
@@ -390,11 +390,11 @@ def _run_id(spec: LaunchSpec) -> str:
     return uuid.uuid4().hex if spec.nnodes == 1 else spec.rdzv_id
 
 
-def _worker_environment(
-    spec: LaunchSpec, plan: NetworkPlan, run_dir: str, run_id: str
-) -> dict[str, str]:
+def _worker_environment(spec: LaunchSpec, plan: NetworkPlan, run_dir: str) -> dict[str, str]:
     """Variables every worker inherits: where the stores and gloo bind, threads, bookkeeping,
-    and one hash seed for the job (from ``run_id``; kept when ``PYTHONHASHSEED`` is set).
+    and one hash seed (from ``--rdzv-id``, the same on every node and for every submission of
+    the job, so a resumed job orders its strings as the checkpointed one did; kept when
+    ``PYTHONHASHSEED`` is set).
 
     No shared agent store (torchrun's listens on every interface): rank 0 serves the job's
     store on its node's address only (ddpkit's ``make_store``), and gloo binds that interface.
@@ -409,7 +409,7 @@ def _worker_environment(
         "OMP_NUM_THREADS": os.environ.get(
             "OMP_NUM_THREADS", str(max(1, usable_cores() // spec.nproc))
         ),
-        **hash_seed_environment(run_id),
+        **hash_seed_environment(spec.rdzv_id),
     }
     if spec.omp_num_threads is not None:
         env["OMP_NUM_THREADS"] = str(spec.omp_num_threads)
