@@ -4,12 +4,12 @@
 
 Two gloo ranks in one run build the MNIST job's loaders (a ``TensorDataset`` of 60,000 float32
 images of 1x28x28 and their labels; 10,000 for evaluation) with ``build_train_loader`` and
-``build_eval_loader``, alternating (A B A B ...) between the fingerprint on (the default) and
-off (``dataset_fingerprint`` replaced by an empty dict), and also on a ``random_split`` Subset
-of the training set. Reports the median milliseconds per build of each form (the difference is
-within the exchange's noise), the fingerprint's own time (the cost), and that cost as a share of one MNIST epoch at ``--samples-per-s`` (the job's
-measured 1,800-2,300 samples/s on 2 ranks, docs/performance.md). The checks run once per loader
-build, never per step.
+``build_eval_loader``, alternating (A B A B ...) between the fingerprint on (the default) and off
+(``dataset_fingerprint`` replaced by an empty dict), and also on a ``random_split`` Subset of the
+training set. Reports the median milliseconds per build of each form (the difference is within the
+exchange's noise), the fingerprint's own time (the cost), and that cost as a share of one MNIST
+epoch at ``--samples-per-s`` (the job's measured 1,800-2,300 samples/s on 2 ranks,
+docs/performance.md). The checks run once per loader build, never per step.
 """
 
 from __future__ import annotations

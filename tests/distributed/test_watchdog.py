@@ -312,7 +312,7 @@ def _grad_enabled_validation(rt, use_no_grad: bool = False, samples: int = 5, no
 
     warnings: list[str] = []
     handler = logging.Handler()
-    handler.emit = lambda record: warnings.append(record.getMessage())  # type: ignore[method-assign]
+    handler.emit = lambda record: warnings.append(record.getMessage())  # type: ignore
     logging.getLogger("ddpkit").addHandler(handler)
     net = torch.nn.Sequential(
         torch.nn.Linear(3, 4), torch.nn.BatchNorm1d(4) if norm else torch.nn.LayerNorm(4)

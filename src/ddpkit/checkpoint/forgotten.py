@@ -8,7 +8,8 @@ the fix. How they are found:
 - an optimizer an LR scheduler drives: a live scheduler (``LRScheduler`` or
   ``ReduceLROnPlateau``) whose ``optimizer`` it is (torch's own mark,
   ``optimizer.step._wrapped_by_lr_sched``, is not used: it stays after the scheduler is
-  gone). The optimizers looked at are the values of ``state`` and what they hold one level down (a ``ZeroRedundancyOptimizer`` or
+  gone). The optimizers looked at are the values of ``state`` and what they hold one level
+  down (a ``ZeroRedundancyOptimizer`` or
   ``PostLocalSGDOptimizer``'s ``optim``, your own object holding a dict of optimizers).
 - a ``torch.amp.GradScaler`` (``torch.cuda.amp.GradScaler`` subclasses it) that is enabled and
   was used (its scale is made at its first ``scale()``), while ``state`` holds no enabled

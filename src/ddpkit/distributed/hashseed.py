@@ -11,7 +11,8 @@ class 3 while rank 0 calls it 7 (issue 23: 10 of 10 ids differed, test accuracy 
   (:func:`hash_seed_environment`), derived from the job's ``--rdzv-id`` (default
   ``ddpkit``), which every node's launcher already holds: the same on every node, after every
   restart and for every submission of the job (a resumed job orders its strings as the
-  checkpointed one did), with no communication. A ``PYTHONHASHSEED`` already set is passed through unchanged.
+  checkpointed one did), with no communication. A ``PYTHONHASHSEED`` already set is passed
+  through unchanged.
 - :func:`ddpkit.init_runtime` compares :func:`str_hash_probe` across ranks inside its rendezvous
   (:func:`ddpkit.distributed.rendezvous.join`, no extra collective), keeps the verdict in
   ``Runtime.str_hashes_agree`` and warns once, on rank 0, when the hashes differ (plain
