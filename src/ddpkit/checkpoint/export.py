@@ -21,12 +21,12 @@ from typing import Any
 import torch
 
 from ddpkit.checkpoint.io import load_checkpoint, read_manifest
-from ddpkit.checkpoint.sharded import SHARDED_DIR, load_in_this_process, metadata_template
+from ddpkit.checkpoint.sharded import load_in_this_process, metadata_template, safe_reader
 from ddpkit.checkpoint.state import strip_wrapper_prefixes
 from ddpkit.errors import DataError
 
 
-def read_sharded_entry(folder: Path, name: str) -> Any:
+def read_sharded_entry(folder: Path, name: str, *, unsafe_pickle: bool = False) -> Any:
     """The whole saved state of one sharded entry, read in this process (no process group):
     an FSDP model's full state dict, an FSDP optimizer's (parameter names as keys), a ZeRO
     optimizer's consolidated ``{"state": {index: ...}, "param_groups": [...]}``. Not a
@@ -35,24 +35,24 @@ def read_sharded_entry(folder: Path, name: str) -> Any:
     Raises:
         DataError: ``name`` is not a sharded entry of the checkpoint.
     """
-    import torch.distributed.checkpoint as dcp
-
     layout = read_manifest(folder).get("sharded", {})
     if name not in layout:
         raise DataError(
             f"checkpoint {folder} has no sharded state[{name!r}] (sharded: "
             f"{sorted(layout) or 'none'})."
         )
-    reader = dcp.FileSystemReader(folder / SHARDED_DIR)
+    reader, planner = safe_reader(folder, unsafe_pickle)
     template = metadata_template(reader.read_metadata(), lambda path: path[0] == name)
-    load_in_this_process(template, reader)
+    load_in_this_process(template, reader, planner)
     entry = template[name]
     if layout[name] == "zero_optimizer":
         entry["state"] = {int(i): value for i, value in entry.get("state", {}).items()}
     return entry
 
 
-def export_model(folder: Path, output: Path, *, entry: str = "model") -> dict[str, Any]:
+def export_model(
+    folder: Path, output: Path, *, entry: str = "model", unsafe_pickle: bool = False
+) -> dict[str, Any]:
     """Write ``state[entry]`` of checkpoint ``folder`` as one plain state dict to ``output``.
 
     Not a collective: run it in one process (``ddpkit checkpoint export``).
@@ -61,6 +61,8 @@ def export_model(folder: Path, output: Path, *, entry: str = "model") -> dict[st
         folder: a complete ``step-XXXXXXXX`` folder (sharded or not).
         output: the ``.pt`` file to write (its folder must exist).
         entry: the name the model was checkpointed under (``state={"model": model, ...}``).
+        unsafe_pickle: unpickle any object (runs whatever code the files hold); default: only
+            the allow-list of :mod:`ddpkit.checkpoint.safe_load`.
 
     Returns:
         ``{"entry", "source" ("dcp" or "state.pt"), "num_tensors", "num_elements", "bytes"}``.
@@ -69,10 +71,11 @@ def export_model(folder: Path, output: Path, *, entry: str = "model") -> dict[st
         DataError: the checkpoint is incomplete or corrupt (a checksum differs), or it holds no
             ``entry``, or ``entry`` is not a model's state dict (tensors by name).
     """
-    state = load_checkpoint(folder)  # checks every file of the manifest
+    state = load_checkpoint(folder, unsafe_pickle=unsafe_pickle)  # checks every manifest file
     sharded = read_manifest(folder).get("sharded", {})
     if sharded.get(entry) == "fsdp_model":
-        model_state, source = read_sharded_entry(folder, entry), "dcp"
+        model_state = read_sharded_entry(folder, entry, unsafe_pickle=unsafe_pickle)
+        source = "dcp"
     else:
         saved = state.get("state", {})
         if entry not in saved:

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
-import io
 import json
 import os
 import shutil
@@ -21,12 +20,14 @@ from typing import Any
 
 import torch
 
+from ddpkit.checkpoint.safe_load import load_state_bytes
 from ddpkit.errors import DataError
 
 MANIFEST = "manifest.json"
 STATE_FILE = "state.pt"
 SLOW_SAVE_ENV = "DDPKIT_TEST_SLOW_SAVE_S"  # a testing hook: every write sleeps this long
 FORMAT_VERSION = 2  # 2: the manager's {name: state dict} under "state"
+KNOWN_FORMATS = (1, 2)  # 1 is read to be refused with its own message (manager.py)
 
 
 def sha256_file(path: Path) -> str:
@@ -150,30 +151,41 @@ def read_manifest(folder: Path) -> dict:
         DataError: missing or unreadable manifest (an incomplete checkpoint).
     """
     try:
-        return json.loads((folder / MANIFEST).read_text())
+        manifest = json.loads((folder / MANIFEST).read_text())
     except (OSError, ValueError) as exc:
         raise DataError(
             f"incomplete checkpoint: path={folder} has no readable manifest ({exc}). Pass a "
             "complete step-XXXXXXXX folder, or resume 'auto' to pick the newest complete one."
         ) from None
+    version = manifest.get("format") if isinstance(manifest, dict) else None
+    if version not in KNOWN_FORMATS:
+        raise DataError(
+            f"checkpoint of an unknown format: path={folder}, format={version!r}; this ddpkit "
+            f"reads formats {', '.join(map(str, KNOWN_FORMATS))}. Resume it with the ddpkit "
+            "that wrote it, or start fresh."
+        )
+    return manifest
 
 
-def load_checkpoint(folder: Path) -> dict[str, Any]:
-    """Read ``folder/state.pt`` once, check it against the manifest, and unpickle it on CPU.
+def load_checkpoint(folder: Path, *, unsafe_pickle: bool = False) -> dict[str, Any]:
+    """Read ``folder/state.pt`` once, check it against the manifest, and unpickle it on CPU
+    with only safe types allowed (:mod:`ddpkit.checkpoint.safe_load`; ``unsafe_pickle``: any
+    object, which runs whatever code the file holds).
 
     Every other file the manifest lists (the DCP shards of a sharded checkpoint) is checked
     against its SHA-256 first. Not a collective: each rank reads and checks every file.
 
     Raises:
-        DataError: no manifest (incomplete), a missing file, or a SHA-256 that differs (names
-            the file and both hashes).
+        DataError: no manifest (incomplete), an unknown manifest format, a missing file, a
+            SHA-256 that differs (names the file and both hashes), or an object outside the
+            allow-list (names it).
     """
     files = read_manifest(folder).get("files", {})
     for name in sorted(files):  # a sharded checkpoint's DCP shards too
         if name != STATE_FILE:
             _verify(folder / name, files[name], sha256_file)
     data = _verify(folder / STATE_FILE, files.get(STATE_FILE), lambda p: p.read_bytes())
-    return torch.load(io.BytesIO(data), map_location="cpu", weights_only=False)
+    return load_state_bytes(data, folder / STATE_FILE, unsafe_pickle=unsafe_pickle)
 
 
 def _verify(path: Path, expected: str | None, read: Any) -> Any:

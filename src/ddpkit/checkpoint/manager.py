@@ -170,6 +170,12 @@ class CheckpointManager:
             (torch's ``dcp.async_save``), committed at the next save, resume or :meth:`wait`
             (see :mod:`ddpkit.checkpoint.async_save`). Off by default; replicated-only state is
             always written synchronously.
+        unsafe_pickle: resume by unpickling any object (a checkpoint holding objects of your
+            own that you wrote and trust). UNSAFE: a checkpoint folder anyone else could write
+            then runs their code. Default: only tensors, numbers, strings, containers and
+            numpy arrays load (:mod:`ddpkit.checkpoint.safe_load`); anything else is refused
+            in one line naming the class (allow it with
+            ``torch.serialization.add_safe_globals``).
 
     Raises:
         ConfigError: ``keep_last < 1``, or a negative ``every_steps``/``every_epochs``.
@@ -193,6 +199,7 @@ class CheckpointManager:
         every_epochs: int = 0,
         extra: Mapping[str, Any] | None = None,
         async_save: bool = False,
+        unsafe_pickle: bool = False,
     ) -> None:
         if keep_last < 1 or every_steps < 0 or every_epochs < 0:
             raise ConfigError(
@@ -206,6 +213,7 @@ class CheckpointManager:
         self.runtime = runtime
         self.keep_last = keep_last
         self.every_steps = every_steps
+        self.unsafe_pickle = unsafe_pickle
         self.save_s = 0.0  # seconds spent in save() so far (the goodput's checkpoint time)
         self._newest: tuple[int, Path] | None = None  # the newest complete checkpoint known
         self.every_epochs = every_epochs
@@ -417,7 +425,7 @@ class CheckpointManager:
         """
         for folder in list_checkpoints(self.directory):
             try:
-                return folder, load_checkpoint(folder)
+                return folder, load_checkpoint(folder, unsafe_pickle=self.unsafe_pickle)
             except DataError as exc:
                 log.warning(
                     "skipping checkpoint %s: %s Falling back to the previous one.", folder.name, exc
@@ -431,9 +439,9 @@ class CheckpointManager:
         Storages are mapped to CPU, then each tensor goes to the device of the object it is
         loaded into (never every rank onto cuda:0). Checkpoints newer than the one resumed (an
         abandoned future, e.g. when ``path`` names an older one) are deleted, so later saves and
-        ``resume`` calls never mix two histories. Only resume checkpoints you trust: the state
-        is unpickled. Sharded state is resharded for this world size by
-        ``torch.distributed.checkpoint``; a ``ZeroRedundancyOptimizer`` of an older checkpoint
+        ``resume`` calls never mix two histories. Nothing in the checkpoint runs code: only allowed
+        types are unpickled (see ``unsafe_pickle``). Sharded state is resharded for this world size
+        by ``torch.distributed.checkpoint``; a ``ZeroRedundancyOptimizer`` of an older checkpoint
         takes its own shard of the consolidated state (on any number of ranks).
 
         Another world size resumes too: replicated state loads as it is, a
@@ -464,7 +472,9 @@ class CheckpointManager:
         self._check_forgotten("resume")
         self.wait()  # an asynchronous save in flight is committed first
         if path is not None:
-            found: tuple[Path, dict[str, Any]] | None = (Path(path), load_checkpoint(Path(path)))
+            found: tuple[Path, dict[str, Any]] | None = (
+                Path(path), load_checkpoint(Path(path), unsafe_pickle=self.unsafe_pickle)
+            )
         else:
             found = self.load_latest()
         names = all_gather_object(found[0].name if found else None, self.runtime)
@@ -513,7 +523,7 @@ class CheckpointManager:
         for name in modules:
             load_model_state(managed[name], saved[name])
         if sharded:  # the sharded model and optimizers, resharded (one collective)
-            load_sharded(self.runtime, folder, managed, sharded)
+            load_sharded(self.runtime, folder, managed, sharded, self.unsafe_pickle)
         for name in rest:
             managed[name].load_state_dict(saved[name])
         rng = restore_rng_state(rng_per_rank, self.runtime.rank, world_size, step=state["step"])

@@ -58,6 +58,7 @@ from ddpkit.checkpoint.io import (
     sha256_file,
     temporary_dir,
 )
+from ddpkit.checkpoint.safe_load import refusals_unwrapped
 from ddpkit.distributed.collectives import all_gather_object
 from ddpkit.distributed.process_group import Runtime
 from ddpkit.errors import ConfigError, DistributedError
@@ -424,19 +425,34 @@ def check_layouts(
             raise ConfigError(problem)
 
 
-def load_in_this_process(template: dict[str, Any], reader: Any) -> None:
+def load_in_this_process(template: dict[str, Any], reader: Any, planner: Any = None) -> None:
     """``dcp.load`` into ``template`` in this process alone (world size 1, an export), without
     torch's ``UserWarning`` that it assumes one process is meant: it is. Not a collective."""
     import torch.distributed.checkpoint as dcp
 
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=_ONE_PROCESS_WARNING, category=UserWarning)
-        dcp.load(template, storage_reader=reader, no_dist=True)
+        with refusals_unwrapped():
+            dcp.load(template, storage_reader=reader, planner=planner, no_dist=True)
+
+
+def safe_reader(folder: Path, unsafe_pickle: bool = False) -> tuple[Any, Any]:
+    """``(storage reader, load planner)`` for ``folder``'s DCP files: torch's own with
+    ``unsafe_pickle``, else ones that unpickle only allowed types
+    (:mod:`ddpkit.checkpoint.safe_load`)."""
+    import torch.distributed.checkpoint as dcp
+
+    from ddpkit.checkpoint.safe_load import SafeFileSystemReader, SafeLoadPlanner
+
+    if unsafe_pickle:
+        return dcp.FileSystemReader(folder / SHARDED_DIR), None
+    return SafeFileSystemReader(folder / SHARDED_DIR), SafeLoadPlanner()
 
 
 def load_sharded(
-    runtime: Runtime, folder: Path, state: Mapping[str, Any], saved: dict[str, str]
-) -> None:
+    runtime: Runtime, folder: Path, state: Mapping[str, Any], saved: dict[str, str],
+    unsafe_pickle: bool = False,
+) -> None:  # fmt: skip
     """Restore the entries ``saved`` (``{name: layout}``) from ``folder/dcp`` into ``state``,
     resharded for this world size. Collective: call on every rank (``dcp.load``); at world size
     1 no collective runs.
@@ -447,7 +463,7 @@ def load_sharded(
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
-    reader = dcp.FileSystemReader(folder / SHARDED_DIR)
+    reader, planner = safe_reader(folder, unsafe_pickle)
     metadata = reader.read_metadata()
     template: dict[str, Any] = {}
     model_name, optim_name = _fsdp_pair({n: k for n, k in saved.items() if n in state})
@@ -461,10 +477,11 @@ def load_sharded(
     for name in zero:
         template[name] = _zero_template(metadata, name, state[name])
     if runtime.process_group is None:
-        load_in_this_process(template, reader)
+        load_in_this_process(template, reader, planner)
     else:
-        with runtime.watch("torch.distributed.checkpoint.load"):
-            dcp.load(template, storage_reader=reader, process_group=runtime.process_group)
+        with runtime.watch("torch.distributed.checkpoint.load"), refusals_unwrapped():
+            dcp.load(template, storage_reader=reader, planner=planner,
+                     process_group=runtime.process_group)  # fmt: skip
     if model_name is not None:
         set_state_dict(
             model, optimizers, model_state_dict=template[model_name],

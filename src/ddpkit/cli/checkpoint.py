@@ -45,6 +45,12 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         "--entry", default="model", metavar="NAME",
         help="the name the model was checkpointed under (default %(default)s)",
     )  # fmt: skip
+    export.add_argument(
+        "--unsafe-pickle", action="store_true",
+        help="UNSAFE: unpickle any object the checkpoint holds, running whatever code it "
+        "says (only for a checkpoint you wrote and trust); default: tensors, numbers, strings, "
+        "containers and numpy arrays only",
+    )  # fmt: skip
     export.set_defaults(handler=run)
 
 
@@ -78,7 +84,7 @@ def run(args: argparse.Namespace) -> int:
             "or pick another path."
         )
     folder = resolve_checkpoint(Path(args.checkpoint))
-    info = export_model(folder, output, entry=args.entry)
+    info = export_model(folder, output, entry=args.entry, unsafe_pickle=args.unsafe_pickle)
     print(
         f"exported state[{info['entry']!r}] of {folder} ({info['source']}): "
         f"{info['num_tensors']} tensors, {info['num_elements']} values, "

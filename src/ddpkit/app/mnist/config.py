@@ -284,6 +284,11 @@ class CheckpointConfig:
         "another --nproc keeps the checkpoint's global batch (per-rank batch and micro-steps "
         "chosen again, said in one line)", check=_resume_rule, metavar="auto|PATH",
     )  # fmt: skip
+    unsafe_pickle: bool = option(
+        False, "UNSAFE: resume by unpickling any object a checkpoint holds, running whatever "
+        "code it says (only for checkpoints you wrote and trust); default: tensors, numbers, "
+        "strings, containers and numpy arrays only",
+    )  # fmt: skip
 
 
 @dataclass(frozen=True)

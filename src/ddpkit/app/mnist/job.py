@@ -260,6 +260,7 @@ def build_training(
     ckpt = CheckpointManager(
         Path(config.output_dir) / "checkpoints", runtime, state=state,
         every_steps=config.checkpoint_every, extra=settings, async_save=config.async_checkpoint,
+        unsafe_pickle=config.unsafe_pickle,
     )  # fmt: skip
     return MnistTraining(
         model, optimizer, inner_optimizer, comm_stats, train_loader, test_loader, precision,
