@@ -96,3 +96,16 @@ def configure_logging(
 def get_logger(name: str) -> logging.Logger:
     """``logging.getLogger("ddpkit.<name>")``: a child that uses the configured handlers."""
     return logging.getLogger(f"ddpkit.{name}")
+
+
+def follow_rank_change(old: ProcessInfo, new: ProcessInfo) -> None:
+    """Point the handlers :func:`configure_logging` gave ``old`` at ``new`` (live fault
+    tolerance: a quorum change gives this process another rank and world size)."""
+    for logger in (logging.getLogger(n) for n in ("ddpkit", *logging.root.manager.loggerDict)):
+        for handler in getattr(logger, "handlers", []):
+            if not getattr(handler, _HANDLER_TAG, False):
+                continue
+            parts = [*handler.filters, handler.formatter]
+            for part in parts:
+                if isinstance(part, (RankFilter, RankFormatter)) and part.info is old:
+                    part.info = new

@@ -28,6 +28,7 @@ LAYERS = (
         "training",
         "guards",
         "checkpoint",
+        "live",  # live fault tolerance: the worker's membership and the launcher's lighthouse
     ),
     ("launch",),  # ddpkit run, the worker bootstrap, the process spawner, doctor
     ("app",),  # the MNIST job of ddpkit train

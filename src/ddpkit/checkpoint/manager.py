@@ -220,6 +220,10 @@ class CheckpointManager:
         self.async_save = async_save
         self._async: AsyncShardedSaves | None = None
         self._forgotten = ForgottenStateCheck()  # a scheduler/scaler left out of state
+        if runtime.live is not None:  # a replacement heals from this state, sent live
+            runtime.live.heal_source = self._heal_payload
+            runtime.live.heal_local = rng_state
+            runtime.live.heal_sink = self._healed
 
     def _managed(self, action: str) -> dict[str, Any]:
         if not self.state:
@@ -266,6 +270,12 @@ class CheckpointManager:
         Example:
             >>> ckpt.save(step)  # doctest: +SKIP
         """
+        if self.runtime.live is not None and self.runtime.live.quorum is not None:
+            # a member lost mid-save: the save starts over on the members that remain
+            return self.runtime.live.run("checkpoint save", lambda: self._save(step))
+        return self._save(step)
+
+    def _save(self, step: int) -> Path:
         managed, start = self._managed("save"), time.perf_counter()
         self._check_forgotten("save")
         for obj in managed.values():  # every rank, in the same order: they may be collectives
@@ -306,6 +316,8 @@ class CheckpointManager:
             self._agree_written(step, error)
         self._newest = (step, folder)
         self.save_s += time.perf_counter() - start
+        if self.runtime.live is not None and self.runtime.is_rank_zero:
+            self.runtime.live.record_checkpoint(step, str(folder))
         return folder
 
     def wait(self) -> Path | None:
@@ -369,6 +381,15 @@ class CheckpointManager:
                 the process with status 128 + the signal number.
         """
         if self.runtime.stop_requested():
+            live = self.runtime.live
+            if live is not None and live.left:  # its own signal: the others go on, no save
+                newest = self._newest[1] if self._newest else None
+                stop = self.runtime.stop
+                assert stop is not None and stop.agreed is not None
+                return_signal = stop.agreed
+                raise TrainingStopped(
+                    return_signal, step=step, checkpoint=newest, saved=False, here=True
+                )
             raise self._stopped(step)
         if self.every_steps and step % self.every_steps == 0 and self._is_new(step):
             return self.save(step)
@@ -470,6 +491,20 @@ class CheckpointManager:
         """
         self._managed("resume")
         self._check_forgotten("resume")
+        live = self.runtime.live
+        if live is not None and live.quorum is None:  # a replacement: healed from a live peer
+            live.join_as_replacement()
+            log.info(
+                "healed from a live peer at step %d (quorum %d, world size %d)",
+                live.step, live.quorum.number if live.quorum else 0, self.runtime.world_size,
+            )  # fmt: skip
+            return live.step
+        step = self._resume(path)
+        if live is not None:
+            live.step = step
+        return step
+
+    def _resume(self, path: str | Path | None) -> int:
         self.wait()  # an asynchronous save in flight is committed first
         if path is not None:
             found: tuple[Path, dict[str, Any]] | None = (
@@ -499,6 +534,40 @@ class CheckpointManager:
         self._newest = (int(state["step"]), folder)
         log.info("resumed from %s (step %d)%s", folder, state["step"], note)
         return int(state["step"])
+
+    def _heal_payload(self) -> dict[str, Any]:
+        """Live fault tolerance, on the member that heals a replacement: the managed state as a
+        checkpoint would hold it (modules unwrapped), the step and the newest checkpoint."""
+        assert self.runtime.live is not None
+        return {
+            "step": self.runtime.live.step,
+            "state": {n: _module_or_state(o) for n, o in self._managed("heal").items()},
+            "newest": None if self._newest is None else [self._newest[0], str(self._newest[1])],
+        }
+
+    def _healed(self, payload: dict[str, Any], rng_by_rank: list[Any]) -> None:
+        """Live fault tolerance, on a replacement: load the state a live peer sent (as
+        :meth:`_restore` loads a checkpoint), and RNG states as a resume on another world size
+        sets them (from the survivors', :mod:`ddpkit.checkpoint.rng`)."""
+        managed, saved = self._managed("heal"), payload["state"]
+        check_saved_state(Path("(a live peer)"), saved, managed)
+        loaders = [n for n, obj in managed.items() if isinstance(obj, ShardedLoader)]
+        modules = [n for n, o in managed.items() if isinstance(o, torch.nn.Module)]
+        for name in loaders:
+            managed[name].load_state_dict(saved[name])
+        for name in modules:
+            load_model_state(managed[name], saved[name])
+        for name in managed:
+            if name not in loaders + modules:
+                managed[name].load_state_dict(saved[name])
+        survivors = [r for r in rng_by_rank if r is not None]
+        restore_rng_state(
+            survivors, self.runtime.rank, len(rng_by_rank), step=int(payload["step"])
+        )
+        if payload["newest"] is not None:
+            self._newest = (int(payload["newest"][0]), Path(payload["newest"][1]))
+        assert self.runtime.live is not None
+        self.runtime.live.step = int(payload["step"])
 
     def _restore(self, folder: Path, state: dict[str, Any], saved_world_size: int) -> str:
         """Load every managed object and this rank's RNG states; returns the log's note on a

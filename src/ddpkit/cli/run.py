@@ -11,6 +11,7 @@ from ddpkit.launch.elastic import RDZV_CONF_KEYS
 from ddpkit.launch.launcher import LaunchSpec, launch
 
 ELASTIC_MAX_RESTARTS = 3
+LIVE_MAX_RESTARTS = 3
 
 EPILOG = """examples:
   ddpkit run -n 2 train.py --epochs 3
@@ -19,6 +20,8 @@ EPILOG = """examples:
   ddpkit run -n 2 --nnodes 2 --node-rank 0 --rdzv-endpoint 10.0.0.1:29400 train.py
   # elastic: 2 to 3 nodes; a lost node's survivors restart (up to 3 times) and go on
   ddpkit run -n 1 --nnodes 2:3 --node-rank 0 --rdzv-endpoint 10.0.0.1:29400 train.py
+  # live fault tolerance: a lost rank's peers keep training; a spare heals from them
+  ddpkit run -n 3 --fault-tolerance live --spares 1 train.py
 One node listens on 127.0.0.1 only. Set DDPKIT_JOB_TOKEN (or DDPKIT_JOB_TOKEN_FILE) to the same
 secret on every node to admit only processes that hold it.
 """
@@ -48,7 +51,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         default=None,
         metavar="R",
         help="restart all workers up to R times after a failure (default 0; elastic "
-        f"--nnodes MIN:MAX: {ELASTIC_MAX_RESTARTS}, one per node lost)",
+        f"--nnodes MIN:MAX: {ELASTIC_MAX_RESTARTS}, one per node lost; --fault-tolerance live: "
+        f"R replacement processes, default {LIVE_MAX_RESTARTS})",
     )
     parser.add_argument(
         "--omp-num-threads",
@@ -57,6 +61,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         metavar="T",
         help="threads per process (default: OMP_NUM_THREADS if set, else usable cores // N)",
     )
+    add_fault_tolerance_arguments(parser)
     _add_stop_arguments(parser)
     _add_node_arguments(parser)
     parser.add_argument(  # REMAINDER: the module's own flags (-m pkg.train --lr 0.1) are its
@@ -74,6 +79,25 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         help="the script and its arguments (the module's arguments with -m)",
     )
     parser.set_defaults(handler=run)
+
+
+def add_fault_tolerance_arguments(parser: argparse.ArgumentParser) -> None:
+    """``--fault-tolerance`` and ``--spares`` (see docs/fault-tolerance.md)."""
+    parser.add_argument(
+        "--fault-tolerance",
+        choices=("restart", "live"),
+        default="restart",
+        help="restart: a failed rank stops every rank (restarted with --max-restarts, resuming "
+        "the newest checkpoint); live: the others keep training and a replacement heals from "
+        "them (one node; the script trains through ddpkit.TrainStep). Default restart",
+    )
+    parser.add_argument(
+        "--spares",
+        type=int,
+        default=0,
+        metavar="S",
+        help="live: start S warm spares (torch already imported) that take over lost ranks",
+    )
 
 
 def _add_stop_arguments(parser: argparse.ArgumentParser) -> None:
@@ -142,7 +166,12 @@ def _add_node_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    return launch(launch_spec(args))
+    spec = launch_spec(args)
+    if spec.fault_tolerance == "live":
+        from ddpkit.launch.live import launch_live
+
+        return launch_live(spec)
+    return launch(spec)
 
 
 def launch_spec(args: argparse.Namespace) -> LaunchSpec:
@@ -163,8 +192,15 @@ def launch_spec(args: argparse.Namespace) -> LaunchSpec:
         )
     min_nodes, nnodes = parse_nnodes(args.nnodes)
     max_restarts = args.max_restarts
+    live = args.fault_tolerance == "live"
+    if args.spares and not live:
+        raise ConfigError(
+            f"--spares {args.spares} without --fault-tolerance live: warm spares take over lost "
+            "ranks of a live job only. Add --fault-tolerance live, or drop --spares."
+        )
     if max_restarts is None:
         max_restarts = ELASTIC_MAX_RESTARTS if min_nodes < nnodes else 0
+        max_restarts = LIVE_MAX_RESTARTS if live else max_restarts
     return LaunchSpec(
         target=target,
         nproc=args.nproc,
@@ -180,6 +216,8 @@ def launch_spec(args: argparse.Namespace) -> LaunchSpec:
         resume_command=shlex.join(["ddpkit", *args.argv]),
         grace_period_s=args.grace_period,
         stop_signals=parse_stop_signals(args.stop_signals),
+        fault_tolerance=args.fault_tolerance,
+        spares=args.spares,
     )
 
 

@@ -11,15 +11,18 @@ different all-reduce still gets gloo's immediate abort.
 
 from __future__ import annotations
 
+import functools
 import os
-from collections.abc import Sequence
-from typing import Any
+from collections.abc import Callable, Sequence
+from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
 
 from ddpkit.distributed.process_group import Runtime
 from ddpkit.errors import DistributedError
+
+_F = TypeVar("_F", bound=Callable[..., Any])
 
 DEBUG_ENV = "DDPKIT_DEBUG_COLLECTIVES"
 _MAX_DIMS = 8
@@ -77,10 +80,31 @@ def verify_same_shape(tensor: torch.Tensor, runtime: Runtime, op: str) -> None:
         )
 
 
+def live_guarded(op: str) -> Callable[[_F], _F]:
+    """Live fault tolerance: run the collective as a guarded operation (see
+    :meth:`ddpkit.live.membership.LiveMembership.run`): a member lost during it moves every
+    member to the next quorum, where it runs again over the members that remain (a sum then
+    adds up their values only). Inside a larger guarded operation it just runs."""
+
+    def decorate(fn: _F) -> _F:
+        @functools.wraps(fn)
+        def guarded(*args: Any, **kwargs: Any) -> Any:
+            runtime = kwargs["runtime"] if "runtime" in kwargs else args[1]
+            live = getattr(runtime, "live", None)
+            if live is None or live.quorum is None:
+                return fn(*args, **kwargs)
+            return live.run(op, lambda: fn(*args, **kwargs))
+
+        return guarded  # type: ignore[return-value]
+
+    return decorate
+
+
 def _debug_enabled(runtime: Runtime) -> bool:
     return runtime.debug_collectives or os.environ.get(DEBUG_ENV, "") not in ("", "0")
 
 
+@live_guarded("all_reduce")
 def all_reduce(
     tensor: torch.Tensor, runtime: Runtime, *, op: dist.ReduceOp.RedOpType = dist.ReduceOp.SUM
 ) -> torch.Tensor:
@@ -128,6 +152,7 @@ def all_reduce_sum(values: Sequence[float] | torch.Tensor, runtime: Runtime) -> 
     return all_reduce(tensor.cpu(), runtime)
 
 
+@live_guarded("gather_per_rank")
 def gather_per_rank(values: Sequence[float], runtime: Runtime) -> torch.Tensor:
     """Every rank's ``values``, row by rank: how ranks compare counters, flags and scales.
 
@@ -151,6 +176,7 @@ def gather_per_rank(values: Sequence[float], runtime: Runtime) -> torch.Tensor:
     return all_reduce(table, runtime)
 
 
+@live_guarded("barrier")
 def barrier(runtime: Runtime) -> None:
     """Wait until every rank reaches this call. Collective. A no-op at world size 1.
 
@@ -163,6 +189,7 @@ def barrier(runtime: Runtime) -> None:
             dist.barrier(group=runtime.process_group)
 
 
+@live_guarded("all_gather_object")
 def all_gather_object(obj: Any, runtime: Runtime) -> list[Any]:
     """Every rank's ``obj`` (any picklable object of any size), as a list by rank.
 
@@ -190,6 +217,7 @@ def all_gather_object(obj: Any, runtime: Runtime) -> list[Any]:
     return gathered
 
 
+@live_guarded("all_gather")
 def all_gather(tensor: torch.Tensor, runtime: Runtime) -> list[torch.Tensor]:
     """Every rank's ``tensor``, as a list by rank; the first dimension may differ across ranks.
 

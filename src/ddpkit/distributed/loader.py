@@ -126,6 +126,26 @@ class ShardedLoader:
         self._resume_at: dict[str, int] | None = None  # a loaded position for the next pass
         self._pass: _Pass | None = None  # the open pass
 
+    def reshard(self, rank: int, world_size: int) -> None:
+        """Shard the next pass for ``rank`` of ``world_size`` (live fault tolerance: the members
+        changed). The global position is unchanged: load the committed one
+        (:meth:`load_state_dict`) and iterate again to go on from there. Not a collective.
+
+        Raises:
+            ConfigError: a stream (``IterableDataset``), whose position is per rank x worker
+                slot and cannot move to another number of ranks.
+        """
+        if self.sampler is None:
+            raise ConfigError(
+                "live fault tolerance with a stream (IterableDataset): its position is per "
+                "rank x worker slot and cannot be dealt to another number of ranks. Use a "
+                "map-style dataset (__len__ and __getitem__)."
+            )
+        self.sampler.reshard(num_replicas=world_size, rank=rank)  # type: ignore[attr-defined]
+        self.rank = rank
+        self.rank_batch_sizes = [self.loader.batch_size or 1] * world_size
+        self.rank_num_batches = [self.full_pass_batches() or 0] * world_size
+
     def set_epoch(self, epoch: int) -> None:
         """Make the next pass use ``epoch`` (from its start)."""
         self.epoch, self._resume_at = epoch, None

@@ -10,6 +10,7 @@ collectives use it.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import datetime
 import faulthandler
 import os
@@ -49,6 +50,10 @@ from ddpkit.distributed.rendezvous import (
 from ddpkit.distributed.stop import StopRequest, TrainingStopped, default_stop_signals
 from ddpkit.distributed.watchdog import Watchdog
 from ddpkit.errors import ConfigError, DistributedError
+from ddpkit.live.membership import LiveMembership
+from ddpkit.log import follow_rank_change
+from ddpkit.live.protocol import Quorum
+from ddpkit.live.start import join_live, wants_live
 from ddpkit.security.token import load_token
 
 BACKENDS = ("auto", "gloo", "nccl")
@@ -105,6 +110,9 @@ class Runtime:
             ``PYTHONHASHSEED``), compared at the rendezvous; when ``False``, anything ordered by
             ``set()`` or string hashes differs per rank (:mod:`ddpkit.distributed.hashseed`).
             ``True`` at world size 1.
+        live: this worker's membership of a live fault-tolerant job
+            (:class:`~ddpkit.live.membership.LiveMembership`), or ``None``. Its quorum changes
+            ``info`` (rank, world size) and ``process_group`` between operations.
 
     Built by :func:`init_runtime`. ``Runtime(ProcessInfo())`` is one CPU process without a
     process group (for tests and tools); every field after ``info`` is keyword-only.
@@ -120,6 +128,7 @@ class Runtime:
     watchdog: Watchdog | None = None
     stop: StopRequest | None = None
     str_hashes_agree: bool = True
+    live: LiveMembership | None = None
     _closed: bool = field(default=False, repr=False)
 
     @property
@@ -161,6 +170,10 @@ class Runtime:
             >>> if rt.stop_requested():          # doctest: +SKIP
             ...     break
         """
+        if self.live is not None:
+            if self.stop is None:
+                return self.live.stop_requested()
+            return self.stop.poll_live(self.live)
         return self.stop.poll(self) if self.stop is not None else False
 
     @contextlib.contextmanager
@@ -240,6 +253,21 @@ class Runtime:
             "between nodes went down; see the other ranks' output."
         )
 
+    def adopt_quorum(self, quorum: Quorum) -> None:
+        """Live fault tolerance: take the rank and world size of ``quorum`` (its default group
+        is the training group; ``None`` when this member is alone). Not a collective."""
+        assert self.live is not None
+        size, old = len(quorum.members), self.info
+        self.info = dataclasses.replace(
+            old,
+            rank=quorum.rank_of(self.live.replica),
+            world_size=size,
+            local_world_size=max(size, 1),
+            local_rank=min(old.local_rank, size - 1),
+        )
+        follow_rank_change(old, self.info)
+        self.process_group = dist.group.WORLD if size > 1 else None
+
     def check_open(self, op: str) -> None:
         """Raise unless the runtime is open: a collective after :meth:`close` would otherwise
         return this rank's own value (world size 1's answer) as if it were the job's.
@@ -268,6 +296,8 @@ class Runtime:
             self.stop.restore()
         if self.watchdog is not None:
             self.watchdog.close()
+        if self.live is not None:
+            self.live.close()
         self.process_group = None
         if dist.is_available() and dist.is_initialized():
             dist.destroy_process_group()
@@ -361,6 +391,7 @@ def init_runtime(
     stall_timeout_s: float | None = 300.0,
     deadlock_timeout_s: float | None = 5.0,
     stop_signals: Sequence[int] | None = None,
+    fault_tolerance: str | None = None,
 ) -> Runtime:
     """Join the job: create the process groups and pick this rank's device.
 
@@ -393,6 +424,11 @@ def init_runtime(
             saves there). ``None``: the launcher's ``--stop-signals``, else SIGTERM, SIGINT and
             SIGUSR1; ``()``: none. Handlers are installed in the main thread only, and the
             previous ones restored by :meth:`Runtime.close`.
+        fault_tolerance: ``"restart"`` (a lost rank ends the job; the launcher may restart
+            every rank, which resume from the newest checkpoint) or ``"live"`` (the survivors
+            keep training and a replacement heals from them; needs ``ddpkit run
+            --fault-tolerance live``, see :mod:`ddpkit.live`). ``None``: what the launcher
+            says (``DDPKIT_FAULT_TOLERANCE``), else ``"restart"``.
 
     Returns:
         A :class:`Runtime`; close it (or use ``with``) to destroy the groups.
@@ -415,6 +451,7 @@ def init_runtime(
         ...     print(rt.rank, rt.world_size, rt.device)
     """
     _check_timeouts(init_timeout_s=init_timeout_s, train_timeout_s=train_timeout_s)
+    live = wants_live(fault_tolerance)
     stall_timeout_s = _watchdog_timeout("stall_timeout_s", stall_timeout_s, 300)
     deadlock_timeout_s = _watchdog_timeout("deadlock_timeout_s", deadlock_timeout_s, 5)
     info = info or detect_process_info()
@@ -423,6 +460,12 @@ def init_runtime(
     device = torch.device("cuda", info.local_rank) if chosen == "nccl" else torch.device("cpu")
     signals = default_stop_signals() if stop_signals is None else tuple(stop_signals)
     stop = StopRequest(signals)  # a bad signal: an error now, before the rendezvous
+    if live:
+        runtime = start_live(info, chosen, device, init_timeout_s, train_timeout_s)
+        runtime.stop = stop if stop.install() else None
+        if runtime.stop is not None and runtime.live is not None:
+            runtime.live.leave_signal = runtime.stop.received_name
+        return runtime
     if not info.is_distributed:
         runtime = Runtime(info, device=device, train_timeout_s=float(train_timeout_s))
         runtime.stop = stop if stop.install() else None
@@ -464,6 +507,31 @@ def init_runtime(
     warn_if_str_hashes_differ(info, hashes_agree)
     runtime.watchdog = watchdog
     runtime.stop = stop if stop.install() else None
+    return runtime
+
+
+def start_live(
+    info: ProcessInfo,
+    backend: str,
+    device: torch.device,
+    init_timeout_s: float,
+    train_timeout_s: float,
+) -> Runtime:
+    """A runtime in a live fault-tolerant job (see :mod:`ddpkit.live`): its rank, world size
+    and process group follow the job's quorums; no watchdog (the launcher detects dead and
+    hung workers). A replacement starts alone (world size 1, no group) until
+    ``CheckpointManager.resume`` heals it into the job."""
+    membership = join_live(info, backend, device, init_timeout_s, train_timeout_s)
+    runtime = Runtime(
+        dataclasses.replace(info, rank=0, world_size=1, local_world_size=1, local_rank=0),
+        backend=backend,
+        device=device,
+        train_timeout_s=float(train_timeout_s),
+        live=membership,
+    )
+    membership.on_change.insert(0, runtime.adopt_quorum)
+    if membership.quorum is not None:
+        runtime.adopt_quorum(membership.quorum)
     return runtime
 
 

@@ -165,6 +165,11 @@ def build_train_loader(
     loader.rank_batch_sizes = [row["batch_size"] for row in table]
     counts = [row["batches"] for row in table]
     loader.rank_num_batches = counts if None not in counts else None
+    if runtime.live is not None:  # the members change: deal the epoch to the new ones
+        live = runtime.live
+        if loader.sampler is None:
+            loader.reshard(0, 1)  # raises the one-line error for a stream
+        live.on_change.append(lambda quorum: loader.reshard(runtime.rank, runtime.world_size))
     return loader
 
 
@@ -318,10 +323,36 @@ def build_eval_loader(
     assert loader is not None
     counts = [row["batches"] for row in table]
     loader.rank_num_batches = counts  # type: ignore[attr-defined]
+    if runtime.live is not None:
+        _follow_quorums(loader, runtime)
     if runtime.watchdog is not None:  # a deadlock in a DDP forward names uneven eval shards
         uneven = None not in counts and len(set(counts)) > 1
         runtime.watchdog.eval_batches = counts if uneven else None
     return loader
+
+
+def _follow_quorums(loader: DataLoader, runtime: Runtime) -> None:
+    """Live fault tolerance: the evaluation shards follow the members (each sample on exactly
+    one of them)."""
+    sampler = loader.sampler
+    if not isinstance(sampler, UnpaddedDistributedSampler):
+        raise ConfigError(
+            "live fault tolerance with a stream (IterableDataset) to evaluate: its shards "
+            "cannot follow the members. Use a map-style dataset (__len__ and __getitem__)."
+        )
+
+    def reshard(quorum: object) -> None:
+        size = runtime.world_size
+        sampler.reshard(world_size=size, rank=runtime.rank)
+        batch = loader.batch_size or 1
+        loader.rank_num_batches = [  # type: ignore[attr-defined]
+            -(-len(UnpaddedDistributedSampler(sampler.dataset_len, world_size=size, rank=r))
+              // batch)
+            for r in range(size)
+        ]  # fmt: skip
+
+    assert runtime.live is not None
+    runtime.live.on_change.append(reshard)
 
 
 def _build_eval_local(

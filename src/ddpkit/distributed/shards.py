@@ -7,6 +7,7 @@ evaluation sample to exactly one rank, in contiguous blocks (dataset order, rank
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterator
 from typing import Any
 
@@ -38,9 +39,16 @@ class UnpaddedDistributedSampler(Sampler[int]):
     def __init__(self, dataset_len: int, *, world_size: int, rank: int) -> None:
         if not 0 <= rank < world_size:
             raise ConfigError(f"invalid shard: rank={rank} not in [0, world_size={world_size}).")
-        base, extra = divmod(dataset_len, world_size)
+        self.dataset_len = dataset_len
+        self.reshard(world_size=world_size, rank=rank)
+
+    def reshard(self, *, world_size: int, rank: int) -> None:
+        """Take rank ``rank``'s block of ``world_size`` (live fault tolerance: the members
+        changed)."""
+        base, extra = divmod(self.dataset_len, world_size)
         start = rank * base + min(rank, extra)
         self.indices = range(start, start + base + (rank < extra))
+        self.world_size = world_size
 
     def __iter__(self) -> Iterator[int]:
         return iter(self.indices)
@@ -66,6 +74,17 @@ class ResumableDistributedSampler(DistributedSampler):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.span: tuple[int, int] | None = None
+
+    def reshard(self, *, num_replicas: int, rank: int) -> None:
+        """Deal the epoch to ``num_replicas`` ranks from the next pass on, this one being
+        ``rank`` (live fault tolerance: the members changed). Sizes as torch computes them."""
+        self.num_replicas, self.rank = num_replicas, rank
+        length = len(self.dataset)  # type: ignore[arg-type]
+        if self.drop_last and length % num_replicas != 0:
+            self.num_samples = math.ceil((length - num_replicas) / num_replicas)
+        else:
+            self.num_samples = math.ceil(length / num_replicas)
+        self.total_size = self.num_samples * num_replicas
 
     def epoch_order(self) -> list[int]:
         """The epoch's permutation of every index, unpadded: torch's own, drawn by a one-replica

@@ -349,6 +349,21 @@ class StopRequest:
             self._agree(signum)
         return self.agreed is not None
 
+    def poll_live(self, membership: Any) -> bool:
+        """:meth:`poll` in a live fault-tolerant job: no collective; the members agreed in
+        their last vote (:meth:`ddpkit.live.membership.LiveMembership.stop_requested`): the
+        launcher's stop signal stops every member, a signal of this process's own makes it
+        leave (its peers go on without it)."""
+        self.arm()
+        if self.agreed is None and membership.stop_requested():
+            name = membership.stop_signal if membership.stop_signal.startswith("SIG") else ""
+            self._agree(signal.Signals[name] if name else (self.received or signal.SIGTERM))
+        return self.agreed is not None
+
+    def received_name(self) -> str:
+        """The name of the stop signal this process received (``""``: none)."""
+        return self.received.name if self.received is not None else ""
+
     def _next_interval(self, start: float) -> int:
         """Rank 0's K: checks at most ``CHECK_BUDGET`` of the time, at most ``MAX_CHECK_GAP_S``
         and ``MAX_CHECK_CALLS`` apart (from the last check's time and the mean time between

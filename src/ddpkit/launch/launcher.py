@@ -107,6 +107,10 @@ class LaunchSpec:
         mem_per_rank_mib, mem_per_rank_what: the measured peak memory of one rank and what it
             was measured on; ``nproc`` ranks that cannot fit in the available memory are
             refused before any starts (:func:`ddpkit.launch.resources.check_fits`).
+        fault_tolerance: ``restart`` (torchrun; a lost rank ends or restarts every rank) or
+            ``live`` (:mod:`ddpkit.launch.live`: the survivors go on, a replacement heals from
+            them; ``max_restarts`` then counts replacement processes).
+        spares: live: warm spare processes started up front, each taking over a lost slot.
     """
 
     target: list[str]
@@ -127,6 +131,8 @@ class LaunchSpec:
     stop_signals: tuple[signal.Signals, ...] = DEFAULT_STOP_SIGNALS
     mem_per_rank_mib: float = BARE_RANK_MIB
     mem_per_rank_what: str = "a bare torch + gloo rank"
+    fault_tolerance: str = "restart"
+    spares: int = 0
 
     @property
     def world_size(self) -> int:

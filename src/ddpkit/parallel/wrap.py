@@ -173,6 +173,9 @@ def wrap_model(
         >>> ddp_model = wrap_model(Net(), runtime, "ddp", bucket_cap_mb=25,
         ...                        grad_compression="fp16", comm_stats=stats)  # doctest: +SKIP
     """
+    if runtime.live is not None:
+        return _wrap_live(model, runtime, strategy, grad_compression, sync_batchnorm, compile,
+                          ddp_kwargs)  # fmt: skip
     fsdp_options = {
         "wrap_policy": wrap_policy,
         "reshard_after_forward": reshard_after_forward,
@@ -250,9 +253,41 @@ def _wrap_ddp(
     return ddp_model
 
 
+def _wrap_live(
+    model: nn.Module,
+    runtime: Runtime,
+    strategy: str,
+    grad_compression: str,
+    sync_batchnorm: bool,
+    compile: bool | dict[str, Any],
+    ddp_kwargs: dict[str, Any],
+) -> nn.Module:
+    """Live fault tolerance: the plain module, synced by ``TrainStep`` (see
+    :mod:`ddpkit.live.training`); only ``auto``/``ddp`` without DDP options."""
+    from ddpkit.live.training import prepare_live_model
+
+    given = [name for name, _ in _ddp_options_given(grad_compression, sync_batchnorm, ddp_kwargs)]
+    given += ["compile"] if compile else []
+    if strategy not in ("auto", "ddp") or given:
+        what = f"strategy={strategy!r}" if strategy not in ("auto", "ddp") else f"{given}"
+        raise ConfigError(
+            f"live fault tolerance trains data-parallel replicas with plain gradient all-reduce: "
+            f"{what} is not supported with it. Use strategy='ddp' (or 'auto') without DDP "
+            "options, or fault_tolerance='restart'."
+        )
+    layer = model
+    if isinstance(layer, _WRAPPERS):
+        raise ConfigError(
+            f"model is already wrapped in {type(layer).__name__}: pass the plain module."
+        )
+    live = prepare_live_model(model, runtime.device, runtime.process_group)
+    _STRATEGY_OF[live] = "live"
+    return live
+
+
 def wrapped_strategy(model: nn.Module) -> str:
-    """The strategy ``model`` was wrapped for: ``fsdp``, ``zero1``, ``ddp``, ``dp`` or
-    ``single`` (a module ddpkit did not wrap counts as ``single``, or ``ddp``/``dp`` by its
+    """The strategy ``model`` was wrapped for: ``fsdp``, ``zero1``, ``ddp``, ``dp``, ``live``
+    (live fault tolerance) or ``single`` (a module ddpkit did not wrap counts as ``single``, or ``ddp``/``dp`` by its
     wrapper class)."""
     from ddpkit.parallel.fsdp import is_fsdp
 
@@ -261,6 +296,8 @@ def wrapped_strategy(model: nn.Module) -> str:
         layer = layer._orig_mod
     if is_fsdp(layer):
         return "fsdp"
+    if _STRATEGY_OF.get(layer) == "live":
+        return "live"
     if isinstance(layer, DistributedDataParallel):
         return _STRATEGY_OF.get(layer, "ddp")
     return "dp" if isinstance(layer, DataParallel) else "single"

@@ -61,6 +61,18 @@ def evaluate(
         >>> evaluate(model, test, rt)["accuracy"]                   # doctest: +SKIP
         0.9884
     """
+    if runtime.live is not None and runtime.live.quorum is not None:
+        # a member lost mid-way: the whole pass again over the members that remain
+        return runtime.live.run("evaluation", lambda: _evaluate(model, loader, runtime, loss_fn))
+    return _evaluate(model, loader, runtime, loss_fn)
+
+
+def _evaluate(
+    model: nn.Module,
+    loader: Iterable[tuple[torch.Tensor, torch.Tensor]],
+    runtime: Runtime,
+    loss_fn: Callable[..., torch.Tensor],
+) -> dict[str, float]:
     module = unwrap_model(model)
     was_training = module.training
     loss_sum = num_correct = num_samples = 0.0

@@ -26,6 +26,8 @@ from typing import Any
 from ddpkit.distributed.collectives import all_reduce_sum
 from ddpkit.distributed.process_group import Runtime
 from ddpkit.distributed.sampler import ShardedLoader
+from ddpkit.errors import ConfigError
+from ddpkit.live.membership import StepDiscarded
 from ddpkit.training.step import StepResult, TrainStep
 from ddpkit.training.uneven import join_uneven_inputs, verify_even_batches
 
@@ -80,6 +82,9 @@ def _results(
 ) -> Iterator[StepResult]:
     """The generator of :func:`train_epoch` (its arguments already checked)."""
     step.model.train()
+    if step.runtime.live is not None:
+        yield from _live_results(step, batches, max_steps)
+        return
     if not join:
         _verify_even(step, batches, max_steps)
     timer = step.timer
@@ -94,6 +99,51 @@ def _results(
                 yield step(window)
         finally:
             windows.close()  # stopped early: release the accumulator's hooks now
+
+
+def _live_results(
+    step: TrainStep, loader: Iterable[Any], max_steps: int | None
+) -> Iterator[StepResult]:
+    """:func:`train_epoch` in a live fault-tolerant job: when the quorum changes (a member
+    died, left or joined), the pass goes on from the loader's last committed position,
+    re-sharded over the new members; a discarded step's samples are trained again."""
+    live = step.runtime.live
+    assert live is not None
+    if not isinstance(loader, ShardedLoader):
+        raise ConfigError(
+            "live fault tolerance: train_epoch needs the loader of ddpkit.build_train_loader, "
+            f"got {type(loader).__name__}: after a member is lost the rest of the epoch is "
+            "re-sharded from its global position, which only that loader keeps."
+        )
+    done = 0
+    while True:
+        committed = loader.state_dict()  # between steps: where the next step's samples start
+        pass_epoch, quorum = committed["epoch"], live.quorum
+        windows = step.windows(loader)
+        try:
+            while True:
+                live.admit()  # replacements waiting: taken in here, before batches are drawn
+                if live.quorum is not quorum:
+                    break
+                window = next(windows, None)
+                if window is None:
+                    return  # the pass is over
+                try:
+                    result = step(window)
+                except StepDiscarded:
+                    break
+                yield result
+                done += 1
+                if max_steps is not None and done >= max_steps:
+                    return
+                committed = loader.state_dict()
+                if live.quorum is not quorum:
+                    break
+        finally:
+            windows.close()
+        if committed["epoch"] != pass_epoch:
+            return  # the pass ended (a change after its last step belongs to the next one)
+        loader.load_state_dict(committed)  # go on from there, dealt to the new members
 
 
 def _verify_even(step: TrainStep, batches: Iterable[Any], max_steps: int | None) -> None:

@@ -30,6 +30,8 @@ from torch.nn import functional as F
 from ddpkit.distributed.process_group import Runtime
 from ddpkit.errors import ConfigError
 from ddpkit.guards.nonfinite import NonFiniteGuard
+from ddpkit.live.membership import StepDiscarded
+from ddpkit.live.training import all_reduce_gradients, stepping
 from ddpkit.parallel.fsdp import is_sharded_tensor
 from ddpkit.parallel.wrap import wrapped_strategy
 from ddpkit.parallel.zero import is_zero_optimizer
@@ -61,6 +63,8 @@ class StepResult:
         phase_s: seconds of this step per phase (``data_wait``, ``forward``,
             ``backward_comm``, ``optimizer``; see :class:`~ddpkit.StepTimer`) when timed, else
             ``None``.
+        loss_global: live fault tolerance: the step's mean loss over every member's samples
+            (it comes with the members' votes, no extra collective); else ``None``.
     """
 
     step: int
@@ -70,6 +74,7 @@ class StepResult:
     skipped: bool
     grad_norm: float | None = None
     phase_s: Mapping[str, float] | None = None
+    loss_global: float | None = None
 
     @property
     def loss_sum(self) -> float:
@@ -222,11 +227,19 @@ class TrainStep:
 
         Collective: call on every rank with its window of the same index.
 
+        Live fault tolerance (``runtime.live``): backward runs locally, then the gradients are
+        all-reduced and the members vote; the optimizer steps only when every member completed
+        the step, else :class:`~ddpkit.live.membership.StepDiscarded` is raised on every member
+        after they moved to the next quorum (:func:`~ddpkit.train_epoch` trains the step's
+        samples again there).
+
         Raises:
             NonFiniteError: the guard is in ``raise`` mode and a rank's loss or gradients hold
                 NaN/Inf (on every rank, naming the ranks and the step).
             DistributedError: the ranks' step counters or 16-mixed loss scales differ.
         """
+        if self.runtime.live is not None:
+            return self._live_call(window)
         timer = self.timer
         with timer.phase("optimizer"):
             self.optimizer.zero_grad(set_to_none=True)
@@ -275,3 +288,57 @@ class TrainStep:
             return False, None
         update = self.precision.step(self.optimizer, self.model, max_norm=self.clip_grad_norm)
         return update.stepped, update.grad_norm
+
+    def _live_call(self, window: AccumulationWindow) -> StepResult:
+        """:meth:`__call__` in a live fault-tolerant job: local backward, then the gradient
+        all-reduce and the guard's check as one guarded operation; the optimizer steps only
+        on a commit (see :mod:`ddpkit.live.training`)."""
+        live, timer = self.runtime.live, self.timer
+        assert live is not None
+        if live.quorum is None:
+            raise ConfigError(
+                "live fault tolerance: this replacement has not joined the job yet. Call "
+                "CheckpointManager(...).resume() before the first step: it heals the model, "
+                "optimizer and loader from a live peer."
+            )
+        with timer.phase("optimizer"):
+            self.optimizer.zero_grad(set_to_none=True)
+        with stepping(self.model):
+            window_loss, loss_sums, num_samples = self._micro_steps(window)
+
+        def sync() -> bool:  # every collective of the step: all-reduce, then the guard
+            all_reduce_gradients(self.model, self.runtime.process_group, self.runtime.world_size)
+            guard = self.guard
+            return guard is None or guard.check(self.num_steps + 1, window_loss, model=self.model)
+
+        with timer.phase("backward_comm"):
+            attempt = live.attempt(
+                "training step", sync, loss_sum=sum(loss_sums), num_samples=num_samples
+            )
+        decision = attempt.decision
+        stepped, grad_norm = False, None
+        if decision.commit:
+            self.num_steps += 1
+            live.step = self.num_steps
+            if attempt.result:
+                with timer.phase("optimizer"):
+                    update = self.precision.step(
+                        self.optimizer, self.model, max_norm=self.clip_grad_norm
+                    )
+                stepped, grad_norm = update.stepped, update.grad_norm
+        else:
+            self.optimizer.zero_grad(set_to_none=True)
+        phase_s = timer.end_step(window.num_samples)
+        live.settle(decision, op="training step", step=True)  # heals with the stepped state
+        if not decision.commit:
+            raise StepDiscarded(self.num_steps + 1)
+        return StepResult(
+            step=self.num_steps,
+            loss_sums=tuple(loss_sums),
+            num_samples=num_samples,
+            num_samples_global=window.num_samples,
+            skipped=not stepped,
+            grad_norm=grad_norm,
+            phase_s=phase_s,
+            loss_global=decision.loss_sum / max(decision.num_samples, 1),
+        )

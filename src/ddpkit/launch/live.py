@@ -1,0 +1,341 @@
+"""``ddpkit run --fault-tolerance live``: the survivors keep training when a worker dies.
+
+torchrun's agent restarts *every* worker when one fails (its worker group is the unit), so live
+fault tolerance starts and watches the workers itself, one process each (``subprocess``, the
+same worker bootstrap as ``ddpkit run``), and hosts the job's coordination store (a
+``TCPStore`` on 127.0.0.1, on a port the OS picks). Its :class:`~ddpkit.live.lighthouse.
+Lighthouse` declares the dead and forms quorums; the workers do the rest
+(:mod:`ddpkit.live.membership`). A lost worker's slot is refilled by a warm spare (``--spares``:
+processes that have already imported torch and ddpkit) or a new process (``--max-restarts``,
+default 3 here), which heals from a live peer and joins at the next step.
+
+One node only for now: several nodes need a store every node reaches and a lighthouse per job,
+not per node (not built; ``--nnodes`` is refused with live).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from dataclasses import dataclass, field
+
+from ddpkit.diagnostics.failures import read_records
+from ddpkit.errors import ConfigError
+from ddpkit.launch.launcher import LaunchSpec, _preflight, _worker_environment
+from ddpkit.launch.network import host_rendezvous_store
+from ddpkit.launch.stopping import stop_line
+from ddpkit.launch.summary import summarize_failure
+from ddpkit.live.lighthouse import Event, Lighthouse
+from ddpkit.live.protocol import REPLICA_ENV, SLOT_ENV, STORE_ENV, key
+from ddpkit.live.start import MODE_ENV, ROLE_ENV
+
+SPARE_ENV = "DDPKIT_LIVE_SPARE"  # a warm spare's id (it waits for live/activate/<id>)
+TICK_S = 0.05
+
+
+@dataclass
+class _Process:
+    """A worker or spare process the launcher started."""
+
+    popen: subprocess.Popen
+    slot: int  # -1 for a spare not yet activated
+    replica: str
+    started: float = field(default_factory=time.monotonic)
+    exit_code: int | None = None
+
+
+class WorkerPool:
+    """The job's processes: the workers by replica id, the idle warm spares.
+
+    Args:
+        spec: the launch; env: every process's environment; store: the coordination store.
+    """
+
+    def __init__(self, spec: LaunchSpec, env: dict[str, str], store: object) -> None:
+        self.spec, self.env, self.store = spec, env, store
+        self.workers: dict[str, _Process] = {}
+        self.spares: dict[str, _Process] = {}
+        self.replacements = 0
+
+    def _popen(self, module: str, extra: dict[str, str]) -> subprocess.Popen:
+        env = {**self.env, **extra}
+        return subprocess.Popen(
+            [sys.executable, "-m", module, *self.spec.target],
+            env=env,
+            start_new_session=True,  # Ctrl-C reaches the launcher, which stops the job
+        )
+
+    def start(self, slot: int, role: str) -> str:
+        """Start a worker for ``slot`` (``role``: ``initial`` or ``replacement``); its id."""
+        replica = f"s{slot}-{uuid.uuid4().hex}"
+        extra = _slot_env(slot, self.spec.nproc, replica, role)
+        self.workers[replica] = _Process(self._popen("ddpkit.launch.worker", extra), slot, replica)
+        return replica
+
+    def start_spare(self) -> None:
+        spare = uuid.uuid4().hex[:12]
+        self.spares[spare] = _Process(self._popen("ddpkit.launch.spare", {SPARE_ENV: spare}),
+                                      -1, spare)  # fmt: skip
+
+    def activate_spare(self, slot: int) -> str | None:
+        """Hand ``slot`` to an idle spare that is still alive; its new replica id, or ``None``."""
+        for spare, proc in list(self.spares.items()):
+            del self.spares[spare]
+            if proc.popen.poll() is not None:
+                continue
+            replica = f"s{slot}-{uuid.uuid4().hex}"
+            proc.slot, proc.replica = slot, replica
+            self.workers[replica] = proc
+            record = {"slot": slot, "replica": replica, "nproc": self.spec.nproc}
+            self.store.set(key("activate", spare), json.dumps(record))  # type: ignore[attr-defined]
+            return replica
+        return None
+
+    def exits(self) -> list[tuple[str, int]]:
+        """Workers that ended since the last call: ``(replica, exit code)``."""
+        ended = []
+        for replica, proc in self.workers.items():
+            if proc.exit_code is None and proc.popen.poll() is not None:
+                proc.exit_code = proc.popen.returncode
+                ended.append((replica, proc.exit_code))
+        return ended
+
+    def running(self) -> list[_Process]:
+        return [p for p in self.workers.values() if p.popen.poll() is None]
+
+    def kill(self, replica: str) -> None:
+        proc = self.workers.get(replica)
+        if proc is not None and proc.popen.poll() is None:
+            proc.popen.kill()
+
+    def kill_all(self) -> None:
+        for proc in [*self.workers.values(), *self.spares.values()]:
+            if proc.popen.poll() is None:
+                proc.popen.kill()
+        for proc in [*self.workers.values(), *self.spares.values()]:
+            try:
+                proc.popen.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                pass
+
+
+def _slot_env(slot: int, nproc: int, replica: str, role: str) -> dict[str, str]:
+    return {
+        REPLICA_ENV: replica,
+        SLOT_ENV: str(slot),
+        ROLE_ENV: role,
+        "RANK": str(slot),
+        "LOCAL_RANK": str(slot),
+        "WORLD_SIZE": str(nproc),
+        "LOCAL_WORLD_SIZE": str(nproc),
+    }
+
+
+def check_live_spec(spec: LaunchSpec) -> None:
+    """Raise unless ``spec`` can run with live fault tolerance.
+
+    Raises:
+        ConfigError: several nodes, TLS, or a negative number of spares.
+    """
+    problems = []
+    if spec.nnodes > 1 or spec.min_nodes not in (None, spec.nnodes):
+        problems.append("--nnodes above 1 (live fault tolerance runs on one node for now)")
+    if spec.tls is not None:
+        problems.append("--tls-* (the live process groups do not take gloo's TLS yet)")
+    if spec.spares < 0:
+        problems.append(f"--spares {spec.spares} (must be >= 0)")
+    if problems:
+        raise ConfigError(
+            f"--fault-tolerance live cannot run with {'; '.join(problems)}. Drop them, or use "
+            "--fault-tolerance restart."
+        )
+
+
+def launch_live(spec: LaunchSpec) -> int:
+    """Start ``spec.nproc`` workers with live fault tolerance and wait for them.
+
+    Returns:
+        0 when the job ran to its end; 1 when no member was left to go on (or a worker failed
+        the same way until the replacements ran out); 128 + the signal after a stop signal to
+        the launcher (every member stopped at one step with a checkpoint).
+
+    Raises:
+        ConfigError: what :func:`check_live_spec` and ``ddpkit run``'s checks refuse.
+    """
+    check_live_spec(spec)
+    plan = _preflight(spec)
+    store = host_rendezvous_store(plan.local_address, 0)
+    run_dir = tempfile.mkdtemp(prefix="ddpkit-run-")
+    env = {
+        **os.environ,
+        **_worker_environment(spec, plan, run_dir),
+        STORE_ENV: f"{plan.local_address}:{store.port}",
+        MODE_ENV: "live",
+    }
+    pool = WorkerPool(spec, env, store)
+    lighthouse = Lighthouse(store, spec.nproc)
+    stop = _StopSignals(spec.stop_signals)
+    try:
+        for slot in range(spec.nproc):
+            lighthouse.add(pool.start(slot, "initial"), slot)
+        for _ in range(spec.spares):
+            pool.start_spare()
+        return _watch(spec, pool, lighthouse, stop, run_dir)
+    finally:
+        stop.restore()
+        pool.kill_all()
+        shutil.rmtree(run_dir, ignore_errors=True)
+        del store
+
+
+class _StopSignals:
+    """The launcher's stop signals: recorded, acted on in its loop."""
+
+    def __init__(self, signals: tuple[signal.Signals, ...]) -> None:
+        self.received: signal.Signals | None = None
+        self.count = 0
+        self._previous = {sig: signal.signal(sig, self._handle) for sig in signals}
+
+    def _handle(self, signum: int, frame: object) -> None:
+        self.received = self.received or signal.Signals(signum)
+        self.count += 1
+
+    def restore(self) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+
+
+def _watch(
+    spec: LaunchSpec, pool: WorkerPool, lighthouse: Lighthouse, stop: _StopSignals, run_dir: str
+) -> int:
+    """The launcher's loop: exits, the lighthouse's events, replacements, stop signals."""
+    say = _Say(spec.command)
+    stop_deadline = None
+    while True:
+        for replica, code in pool.exits():
+            if replica in lighthouse.replicas:
+                lighthouse.exited(replica, code)
+        for event in lighthouse.tick():
+            if event.kind == "empty":
+                return _no_member_left(spec, pool, lighthouse, run_dir, event, say)
+            _act(event, spec, pool, lighthouse, say)
+        if stop.received is not None and stop_deadline is None:
+            lighthouse.stop_job(stop.received.name)
+            stop_deadline = time.monotonic() + spec.grace_period_s
+        if stop_deadline is not None and (
+            stop.count > 1 or time.monotonic() > stop_deadline
+        ):  # a second signal, or the grace period is over: end it now
+            pool.kill_all()
+        quorum = lighthouse.quorum
+        done = quorum is not None and all(lighthouse.finished(m) for m in quorum.members)
+        if done or not pool.running():  # replacements still waiting to join have no job left
+            pool.kill_all()
+            return _finish(spec, pool, lighthouse, stop, run_dir, say)
+        time.sleep(TICK_S)
+
+
+class _Say:
+    """The launcher's lines, prefixed with the command."""
+
+    def __init__(self, command: str) -> None:
+        self.command = command
+
+    def __call__(self, text: str) -> None:
+        print(f"{self.command}: live: {text}", file=sys.stderr, flush=True)
+
+
+def _act(
+    event: Event, spec: LaunchSpec, pool: WorkerPool, lighthouse: Lighthouse, say: _Say
+) -> None:
+    """Say what happened; end a worker declared dead; refill its slot."""
+    if event.kind == "quorum":
+        quorum = event.quorum
+        assert quorum is not None
+        if quorum.number > 1:
+            slots = [lighthouse.replicas[m].slot for m in quorum.members]
+            say(f"quorum {quorum.number}: slots {slots} (world size {len(slots)}); {quorum.reason}")
+        return
+    slot = lighthouse.replicas[event.replica].slot
+    if event.kill:
+        pool.kill(event.replica)
+    say(f"slot {slot} {event.why}" if event.kind == "dead" else f"slot {slot} left ({event.why})")
+    _refill(slot, spec, pool, lighthouse, say)
+
+
+def _refill(slot: int, spec: LaunchSpec, pool: WorkerPool, lighthouse: Lighthouse, say: _Say) -> None:
+    """A warm spare for ``slot``, else a new process while replacements are left."""
+    replica = pool.activate_spare(slot)
+    if replica is not None:
+        lighthouse.add(replica, slot)
+        say(f"slot {slot}: a warm spare takes over; it heals from a live peer")
+        return
+    if pool.replacements >= spec.max_restarts:
+        say(
+            f"slot {slot}: no replacement left ({spec.max_restarts} used); the others go on "
+            "without it"
+        )
+        return
+    pool.replacements += 1
+    lighthouse.add(pool.start(slot, "replacement"), slot)
+    say(
+        f"slot {slot}: replacement {pool.replacements} of {spec.max_restarts} started; it heals "
+        "from a live peer"
+    )
+
+
+def _no_member_left(
+    spec: LaunchSpec,
+    pool: WorkerPool,
+    lighthouse: Lighthouse,
+    run_dir: str,
+    event: Event,
+    say: _Say,
+) -> int:
+    """Every member is gone: stop what is left, name the failures and the newest checkpoint."""
+    pool.kill_all()
+    records = read_records(run_dir)
+    if records:
+        for line in summarize_failure(records, {}, spec)[:-1]:
+            print(line, file=sys.stderr)
+    newest = lighthouse.newest_checkpoint()
+    resume = spec.resume_command or f"{spec.command} ..."
+    kept = (
+        f"the newest complete checkpoint is {newest}; run `{resume}` again to resume from it"
+        if newest
+        else "no checkpoint was written"
+    )
+    say(f"job FAILED: no live member is left to go on ({event.why}); {kept}")
+    return 1
+
+
+def _finish(
+    spec: LaunchSpec,
+    pool: WorkerPool,
+    lighthouse: Lighthouse,
+    stop: _StopSignals,
+    run_dir: str,
+    say: _Say,
+) -> int:
+    """Every worker ended: the job's outcome, one line."""
+    members = lighthouse.quorum.members if lighthouse.quorum else ()
+    codes = [pool.workers[m].exit_code for m in members if m in pool.workers]
+    if stop.received is not None:
+        final = dataclasses.replace(spec, nproc=max(len(members), 1))
+        line, code = stop_line(final, run_dir, stop.received)
+        print(line, file=sys.stderr, flush=True)
+        return code
+    if codes and all(c == 0 for c in codes):
+        return 0
+    records = read_records(run_dir)
+    for line in summarize_failure(records, {}, spec)[:-1] if records else []:
+        print(line, file=sys.stderr)
+    say(f"job FAILED: the last members exited with {sorted(set(codes))}")
+    return 1

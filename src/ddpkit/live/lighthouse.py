@@ -1,0 +1,273 @@
+"""The launcher's side of live fault tolerance: who is alive, and the quorums.
+
+The launcher (``ddpkit run --fault-tolerance live``) starts the workers, so it knows at once
+when one exits; the workers' heartbeats tell it when one stops answering (SIGSTOP, a frozen
+node), and their votes when one hangs in its own code. :class:`Lighthouse` turns what it sees
+into the store's records (:mod:`ddpkit.live.protocol`): a member declared dead, and the next
+quorum (the survivors, then the replacements ready to be healed). It is one writer over one
+store (torchft's "lighthouse" plays the same part), so there is nothing to agree on between
+launchers on one node.
+
+Not a collective: :meth:`Lighthouse.tick` runs in the launcher's loop, about every 50 ms.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import time
+from dataclasses import dataclass, field
+
+import torch.distributed as dist
+
+from ddpkit.live.protocol import HEARTBEAT_S, Quorum, Status, key, next_quorum
+
+#: a member whose heartbeat has not moved for this long is declared dead (10 periods)
+HEARTBEAT_TIMEOUT_S = 20 * HEARTBEAT_S
+#: a failed operation with nobody dead: the quorum is formed again after this long
+FAILED_GRACE_S = 1.0
+
+
+@dataclass
+class Replica:
+    """What the lighthouse knows of one worker process.
+
+    Attributes:
+        replica: its id; slot: the launcher's slot it fills.
+        alive: its process runs (the launcher's view); exit_code: once it ended.
+        dead_why: why it was declared dead ("" while it is not).
+        heartbeat, heartbeat_at: its last heartbeat count and when it last moved.
+    """
+
+    replica: str
+    slot: int
+    alive: bool = True
+    exit_code: int | None = None
+    dead_why: str = ""
+    heartbeat: int = -1
+    heartbeat_at: float = field(default_factory=time.monotonic)
+
+
+@dataclass(frozen=True)
+class Event:
+    """One thing the lighthouse did, for the launcher's event line.
+
+    Attributes:
+        kind: ``"dead"`` (``replica`` declared dead; ``kill`` it if its process still runs),
+            ``"left"`` (it left on its own stop signal), ``"quorum"`` (``quorum`` published),
+            ``"empty"`` (no member is left: the job cannot go on).
+    """
+
+    kind: str
+    replica: str = ""
+    why: str = ""
+    kill: bool = False
+    quorum: Quorum | None = None
+
+
+class Lighthouse:
+    """Declares workers dead and publishes quorums in the job's coordination store.
+
+    Args:
+        store: the store the launcher hosts.
+        num_initial: workers the first quorum waits for.
+        heartbeat_timeout_s: a member whose heartbeat stops for this long is declared dead.
+    """
+
+    def __init__(
+        self,
+        store: dist.Store,
+        num_initial: int,
+        *,
+        heartbeat_timeout_s: float = HEARTBEAT_TIMEOUT_S,
+    ) -> None:
+        self.store = store
+        self.num_initial = num_initial
+        self.heartbeat_timeout_s = heartbeat_timeout_s
+        self.replicas: dict[str, Replica] = {}
+        self.quorum: Quorum | None = None
+        self.left: set[str] = set()
+        self._failed_seen_at: float | None = None
+        self._pending_reason: list[str] = []
+        self.status = Status()
+        self.store.set(key("status"), self.status.encode())
+
+    def add(self, replica: str, slot: int) -> None:
+        """A worker process the launcher started (or a spare it activated)."""
+        self.replicas[replica] = Replica(replica, slot)
+
+    def exited(self, replica: str, exit_code: int) -> None:
+        """The launcher saw this worker's process end."""
+        info = self.replicas[replica]
+        info.alive, info.exit_code = False, exit_code
+
+    def stop_job(self, signal_name: str) -> None:
+        """Ask every member to stop at the next operation, together (a stop signal)."""
+        self._set_status(stop=signal_name)
+
+    def _set_status(self, **changes: object) -> None:
+        status = dataclasses.replace(self.status, **changes)
+        if status != self.status:
+            self.status = status
+            self.store.set(key("status"), status.encode())
+
+    def members_alive(self) -> list[str]:
+        """Members of the current quorum that are neither dead nor gone."""
+        if self.quorum is None:
+            return []
+        return [m for m in self.quorum.members if self._usable(m)]
+
+    def _usable(self, replica: str) -> bool:
+        info = self.replicas.get(replica)
+        return info is not None and info.alive and not info.dead_why and replica not in self.left
+
+    def tick(self, now: float | None = None) -> list[Event]:
+        """Look at heartbeats, exits, leave requests, failures and ready replacements; declare
+        the dead and publish the next quorum when anything changed. Returns what it did."""
+        now = time.monotonic() if now is None else now
+        if self.quorum is None:
+            return self._first_quorum()
+        events = self._find_dead(now) + self._find_left()
+        ready = [
+            r
+            for r, info in self.replicas.items()
+            if r not in self.quorum.members and self._usable(r)
+            and self.store.check([key("ready", r)])
+        ]  # fmt: skip
+        self._set_status(waiting=len(ready))
+        admit = self.store.check([key("admit", self.quorum.number)])
+        ready = ready if admit else []  # taken in only at a step boundary (the members ask)
+        gone = [m for m in self.quorum.members if not self._usable(m) and not self.finished(m)]
+        failed = self._failed_without_death(now, gone)
+        if not (gone or admit or failed):
+            return events
+        alive = self.members_alive()
+        if not alive:  # nobody can heal the replacements: the job cannot go on
+            return [*events, Event("empty", why="; ".join(self._pending_reason))]
+        reasons = self._pending_reason + (
+            [f"{len(ready)} replacement(s) taken in"] if ready else []
+        ) + (["an operation failed"] if failed else [])  # fmt: skip
+        quorum = next_quorum(self.quorum, alive, sorted(ready, key=self._slot), "; ".join(reasons))
+        assert quorum is not None
+        self._publish(quorum)
+        self._pending_reason = []
+        return [*events, Event("quorum", quorum=quorum)]
+
+    def finished(self, replica: str) -> bool:
+        """The worker ran its script to the end (exit status 0, no stop signal of its own): no
+        quorum change for it (its peers are finishing too), no replacement."""
+        info = self.replicas[replica]
+        return info.exit_code == 0 and replica not in self.left and not info.dead_why
+
+    def _slot(self, replica: str) -> int:
+        return self.replicas[replica].slot
+
+    def _first_quorum(self) -> list[Event]:
+        registered = [r for r in self.replicas if self.store.check([key("replica", r)])]
+        if len(registered) < self.num_initial:
+            return []
+        members = sorted(registered, key=self._slot)[: self.num_initial]
+        quorum = next_quorum(None, members, members, "start")
+        assert quorum is not None
+        self._publish(quorum)
+        return [Event("quorum", quorum=quorum)]
+
+    def _publish(self, quorum: Quorum) -> None:
+        self.store.set(key("quorum", quorum.number), quorum.encode())
+        self.store.add(key("quorum", "latest"), 1)
+        self.quorum = quorum
+        self._failed_seen_at = None
+        waiting = self.status.waiting - len(quorum.joiners)
+        self._set_status(latest=quorum.number, waiting=max(waiting, 0))
+
+    def declare_dead(self, replica: str, why: str) -> Event:
+        """Record ``replica`` as dead (its peers stop waiting for it; it may never rejoin)."""
+        info = self.replicas[replica]
+        info.dead_why = why
+        self.store.set(key("dead", replica), why)
+        self._pending_reason.append(f"slot {info.slot} {why}")
+        return Event("dead", replica, why, kill=info.alive)
+
+    def _find_dead(self, now: float) -> list[Event]:
+        assert self.quorum is not None
+        events = []
+        watched = [r for r, i in self.replicas.items() if not i.dead_why and r not in self.left]
+        for replica in watched:
+            info = self.replicas[replica]
+            if not info.alive:
+                if info.exit_code == 0:
+                    continue  # finished, or left on its own signal (_find_left says so)
+                events.append(self.declare_dead(replica, _exit_words(info.exit_code)))
+                continue
+            why = self._silent(info, now) or self._suspected(replica)
+            if why:
+                events.append(self.declare_dead(replica, why))
+        return events
+
+    def _silent(self, info: Replica, now: float) -> str:
+        """Why a registered worker counts as not answering, else ``""``."""
+        name = key("hb", info.replica)
+        if not self.store.check([name]):
+            return ""  # still starting: its process exit is what counts
+        count = int(self.store.add(name, 0))
+        if count != info.heartbeat:
+            info.heartbeat, info.heartbeat_at = count, now
+            return ""
+        if now - info.heartbeat_at > self.heartbeat_timeout_s:
+            return f"stopped answering (no heartbeat for {now - info.heartbeat_at:.1f} s)"
+        return ""
+
+    def _suspected(self, replica: str) -> str:
+        assert self.quorum is not None
+        name = key("suspect", self.quorum.number, replica)
+        if self.store.check([name]):
+            return f"hung (its peers waited {self.store.get(name).decode()} s for it)"
+        return ""
+
+    def _find_left(self) -> list[Event]:
+        assert self.quorum is not None
+        events = []
+        for replica in self.quorum.members:
+            if replica not in self.left and self.store.check([key("leave", replica)]):
+                self.left.add(replica)
+                slot = self.replicas[replica].slot
+                self._pending_reason.append(f"slot {slot} left (its own stop signal)")
+                events.append(Event("left", replica, "its own stop signal"))
+        return events
+
+    def _failed_without_death(self, now: float, gone: list[str]) -> bool:
+        """An operation failed on a member but nobody is known dead: after a short grace (a
+        death is usually seen by then), form the quorum again."""
+        assert self.quorum is not None
+        if gone or not int(self.store.add(key("failed", self.quorum.number), 0)):
+            return False
+        if self._failed_seen_at is None:
+            self._failed_seen_at = now
+        return now - self._failed_seen_at > FAILED_GRACE_S
+
+    def record(self) -> dict:
+        """What the launcher prints or keeps about the current quorum."""
+        quorum = self.quorum
+        return {
+            "quorum": quorum.number if quorum else 0,
+            "members": [self.replicas[m].slot for m in quorum.members] if quorum else [],
+        }
+
+    def newest_checkpoint(self) -> str:
+        """The newest checkpoint the workers reported (``""`` if none)."""
+        if not self.store.check([key("newest_checkpoint")]):
+            return ""
+        return json.loads(self.store.get(key("newest_checkpoint")))["path"]
+
+
+def _exit_words(code: int | None) -> str:
+    if code is None:
+        return "died"
+    if code < 0:
+        import signal
+
+        try:
+            return f"died ({signal.Signals(-code).name})"
+        except ValueError:
+            return f"died (signal {-code})"
+    return f"exited with status {code}"
