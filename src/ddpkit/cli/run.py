@@ -98,6 +98,14 @@ def add_fault_tolerance_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="S",
         help="live: start S warm spares (torch already imported) that take over lost ranks",
     )
+    parser.add_argument(
+        "--heartbeat-timeout",
+        type=float,
+        default=10.0,
+        metavar="SECONDS",
+        help="live: a rank whose heartbeat stops this long (SIGSTOP, a frozen host) is declared "
+        "dead and ended; its peers go on (default 10)",
+    )
 
 
 def _add_stop_arguments(parser: argparse.ArgumentParser) -> None:
@@ -218,6 +226,7 @@ def launch_spec(args: argparse.Namespace) -> LaunchSpec:
         stop_signals=parse_stop_signals(args.stop_signals),
         fault_tolerance=args.fault_tolerance,
         spares=args.spares,
+        heartbeat_timeout_s=args.heartbeat_timeout,
     )
 
 

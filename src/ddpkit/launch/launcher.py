@@ -111,6 +111,8 @@ class LaunchSpec:
             ``live`` (:mod:`ddpkit.launch.live`: the survivors go on, a replacement heals from
             them; ``max_restarts`` then counts replacement processes).
         spares: live: warm spare processes started up front, each taking over a lost slot.
+        heartbeat_timeout_s: live: a worker whose heartbeat (every 0.5 s, from a thread of
+            its own) stops this long is declared dead and killed (SIGSTOP, a frozen host).
     """
 
     target: list[str]
@@ -133,6 +135,7 @@ class LaunchSpec:
     mem_per_rank_what: str = "a bare torch + gloo rank"
     fault_tolerance: str = "restart"
     spares: int = 0
+    heartbeat_timeout_s: float = 10.0
 
     @property
     def world_size(self) -> int:

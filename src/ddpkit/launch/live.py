@@ -152,6 +152,11 @@ def check_live_spec(spec: LaunchSpec) -> None:
         problems.append("--tls-* (the live process groups do not take gloo's TLS yet)")
     if spec.spares < 0:
         problems.append(f"--spares {spec.spares} (must be >= 0)")
+    if not spec.heartbeat_timeout_s > 1.0:
+        problems.append(
+            f"--heartbeat-timeout {spec.heartbeat_timeout_s:g} (must be above 1 s: heartbeats "
+            "come every 0.5 s)"
+        )
     if problems:
         raise ConfigError(
             f"--fault-tolerance live cannot run with {'; '.join(problems)}. Drop them, or use "
@@ -181,7 +186,7 @@ def launch_live(spec: LaunchSpec) -> int:
         MODE_ENV: "live",
     }
     pool = WorkerPool(spec, env, store)
-    lighthouse = Lighthouse(store, spec.nproc)
+    lighthouse = Lighthouse(store, spec.nproc, heartbeat_timeout_s=spec.heartbeat_timeout_s)
     stop = _StopSignals(spec.stop_signals)
     try:
         for slot in range(spec.nproc):
@@ -278,10 +283,9 @@ def _refill(slot: int, spec: LaunchSpec, pool: WorkerPool, lighthouse: Lighthous
         say(f"slot {slot}: a warm spare takes over; it heals from a live peer")
         return
     if pool.replacements >= spec.max_restarts:
-        say(
-            f"slot {slot}: no replacement left ({spec.max_restarts} used); the others go on "
-            "without it"
-        )
+        if lighthouse.members_alive():
+            used = f"all {spec.max_restarts} used" if spec.max_restarts else "--max-restarts 0"
+            say(f"slot {slot}: no replacement ({used}); the others go on without it")
         return
     pool.replacements += 1
     lighthouse.add(pool.start(slot, "replacement"), slot)

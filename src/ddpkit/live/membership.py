@@ -41,6 +41,7 @@ from ddpkit.live.protocol import (
     Vote,
     decide,
     key,
+    slot_of,
 )
 from ddpkit.log import get_logger
 
@@ -177,6 +178,7 @@ class LiveMembership:
         self.heal_sink: Callable[[dict[str, Any], list[Any]], None] | None = None  # load
         self.on_change: list[Callable[[Quorum], None]] = []  # loaders re-shard here
         self._depth = 0  # nesting of guarded operations (only the outermost votes)
+        self._attempt_start = 0.0
         self._beat_stop = threading.Event()
         self._heartbeat_store = heartbeat_store
 
@@ -385,6 +387,7 @@ class LiveMembership:
         if self._depth:
             return Attempt(fn(), Decision(commit=True, reconfigure=False))
         self._depth += 1
+        self._attempt_start = time.monotonic()
         try:
             result, ok = fn(), True
         except Exception as exc:  # noqa: BLE001 - a lost peer is voted on; anything else raised
@@ -411,26 +414,36 @@ class LiveMembership:
             if attempt.decision.commit:
                 return attempt.result
 
-    def settle(self, decision: Decision, *, op: str, step: bool = False) -> None:
+    def settle(self, decision: Decision, *, op: str, step: int = 0) -> None:
         """Act on ``decision`` after the operation's effects were applied or dropped: note a
         stop, leave, or move to the next quorum. Collective (a quorum change) when
-        ``decision.reconfigure``."""
+        ``decision.reconfigure``. ``step``: the training step's number, for a step."""
         if self.replica in decision.leaving:
             self.left = True
             return
         if decision.stop and not self.stop_signal:
             self.stop_signal = decision.stop
         self.admit_pending = self.admit_pending or decision.admit
+        what = f"training step {step}" if step else op
         if not decision.commit:
             self.counters.discarded += 1
-            self.counters.discarded_steps += int(step)
+            self.counters.discarded_steps += int(bool(step))
         if decision.reconfigure:
-            self.reconfigure(_reason(decision, op))
+            lost = bool(decision.dead or decision.leaving or not decision.commit)
+            self.counters.failures += int(lost)
+            if decision.commit:
+                done = "committed"
+            else:  # the time since the operation began was lost too
+                spent = time.monotonic() - self._attempt_start
+                self.counters.stall_s += spent
+                done = f"discarded on every member after {spent:.2f} s"
+            self.reconfigure(f"{what} {done}")
 
     # -- moving to the next quorum --------------------------------------------------------------
 
-    def reconfigure(self, reason: str) -> None:
-        """Move to the launcher's next quorum: build its group, heal its replacements, agree.
+    def reconfigure(self, note: str) -> None:
+        """Move to the launcher's next quorum: build its group, heal its replacements, agree;
+        then the new rank 0 logs one line (why, what was discarded, the stall, the heal).
 
         Collective over the next quorum's members. Waits for the launcher to form it (it does
         as soon as it knows who died, left or is ready to join).
@@ -439,23 +452,28 @@ class LiveMembership:
             RefusedError: this worker was declared dead.
             DistributedError: no quorum took this worker in within ``formation_timeout_s`` x 5.
         """
-        start = time.monotonic()
+        start, heal_before = time.monotonic(), self.counters.heal_s
         previous = self.quorum
         self.counters.reconfigurations += 1
-        if "died" in reason or "hung" in reason or "failed" in reason or "left" in reason:
-            self.counters.failures += 1
         self._join(previous.number if previous else 0, start)
         stall = time.monotonic() - start
         self.counters.stall_s += stall
         quorum = self.quorum
         assert quorum is not None
-        if quorum.rank_of(self.replica) == 0:
-            log.warning(
-                "live: %s; quorum %d: %d member(s), world size %d -> %d; stall %.2f s%s",
-                reason, quorum.number, len(quorum.members),
-                len(previous.members) if previous else 0, len(quorum.members), stall,
-                f"; healed {len(quorum.joiners)} replacement(s)" if quorum.joiners else "",
-            )  # fmt: skip
+        if quorum.rank_of(self.replica) != 0 or previous is None:
+            return
+        healed = ""
+        if quorum.joiners:
+            slots = ", ".join(str(slot_of(j)) for j in quorum.joiners)
+            healed = (
+                f"; slot(s) {slots} healed from slot {slot_of(self.replica)} (rank 0) at step "
+                f"{self.step} in {self.counters.heal_s - heal_before:.2f} s"
+            )
+        log.warning(
+            "live: %s; %s; world size %d -> %d (quorum %d); stall %.2f s%s",
+            quorum.reason or "the members changed", note, len(previous.members),
+            len(quorum.members), quorum.number, stall, healed,
+        )  # fmt: skip
 
     def _join(self, after: int, start: float) -> None:
         """Wait for, form, heal and agree on the next quorum newer than ``after``."""
@@ -532,7 +550,7 @@ class LiveMembership:
         self.admit_pending = False
         before = self.quorum
         self.store.compare_set(key("admit", before.number), "", "1")
-        self.reconfigure("replacements taken in")
+        self.reconfigure(f"at step {self.step}")
         return self.quorum is not before
 
     def join_as_replacement(self) -> None:
@@ -552,11 +570,3 @@ class LiveMembership:
         return bool(self.stop_signal) or self.left
 
 
-def _reason(decision: Decision, op: str) -> str:
-    if decision.dead:
-        return f"{op}: a member died"
-    if decision.leaving:
-        return f"{op}: {len(decision.leaving)} member(s) left"
-    if not decision.commit:
-        return f"{op} failed"
-    return "a newer quorum"

@@ -44,6 +44,12 @@ REPLICA_ENV = "DDPKIT_LIVE_REPLICA"  # this worker's replica id (a secret: 128 r
 SLOT_ENV = "DDPKIT_LIVE_SLOT"  # the launcher's slot (0..nproc-1) the worker fills
 
 
+def slot_of(replica: str) -> int:
+    """The launcher's slot a replica id names (``s2-<hex>`` -> 2; -1 if it names none)."""
+    head = replica.split("-", 1)[0]
+    return int(head[1:]) if head[:1] == "s" and head[1:].isdigit() else -1
+
+
 def key(*parts: object) -> str:
     """``live/part/part/...``."""
     return PREFIX + "/".join(str(p) for p in parts)

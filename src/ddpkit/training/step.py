@@ -329,7 +329,7 @@ class TrainStep:
         else:
             self.optimizer.zero_grad(set_to_none=True)
         phase_s = timer.end_step(window.num_samples)
-        live.settle(decision, op="training step", step=True)  # heals with the stepped state
+        live.settle(decision, op="training step", step=self.num_steps + (not decision.commit))
         if not decision.commit:
             raise StepDiscarded(self.num_steps + 1)
         return StepResult(
