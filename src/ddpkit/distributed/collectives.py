@@ -89,7 +89,7 @@ def live_guarded(op: str) -> Callable[[_F], _F]:
     def decorate(fn: _F) -> _F:
         @functools.wraps(fn)
         def guarded(*args: Any, **kwargs: Any) -> Any:
-            runtime = kwargs["runtime"] if "runtime" in kwargs else args[1]
+            runtime = kwargs.get("runtime") or next(a for a in args if isinstance(a, Runtime))
             live = getattr(runtime, "live", None)
             if live is None or live.quorum is None:
                 return fn(*args, **kwargs)

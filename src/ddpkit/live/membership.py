@@ -43,6 +43,7 @@ from ddpkit.live.protocol import (
     key,
     slot_of,
 )
+from ddpkit.live.sockets import new_sockets, shut_down, socket_inodes
 from ddpkit.log import get_logger
 
 log = get_logger("live")
@@ -178,6 +179,7 @@ class LiveMembership:
         self.heal_sink: Callable[[dict[str, Any], list[Any]], None] | None = None  # load
         self.on_change: list[Callable[[Quorum], None]] = []  # loaders re-shard here
         self._depth = 0  # nesting of guarded operations (only the outermost votes)
+        self._group_sockets: dict[int, str] = {}  # the current group's connections
         self._attempt_start = 0.0
         self._beat_stop = threading.Event()
         self._heartbeat_store = heartbeat_store
@@ -265,8 +267,10 @@ class LiveMembership:
         """
         if self._outcome(quorum) != "go":
             return False
+        self.break_group()
         if dist.is_initialized():
             dist.destroy_process_group()
+        before = socket_inodes()
         prefix = dist.PrefixStore(key("pg", quorum.number) + "/", self.store)
         dist.init_process_group(
             self.backend,
@@ -284,8 +288,15 @@ class LiveMembership:
         group._get_backend(self.device).set_timeout(
             datetime.timedelta(seconds=self.train_timeout_s)
         )
+        self._group_sockets = new_sockets(before)
         self.quorum, self.seq = quorum, 0
         return True
+
+    def break_group(self) -> None:
+        """Shut down the current group's connections (see :mod:`ddpkit.live.sockets`): it is
+        being discarded, and a peer still blocked on this member must fail now."""
+        shut_down(self._group_sockets)
+        self._group_sockets = {}
 
     def _outcome(self, quorum: Quorum) -> str:
         """``"go"`` once every member arrived, ``"abandon"`` when a member died first or a
@@ -394,6 +405,7 @@ class LiveMembership:
             if not is_lost_peer(exc):
                 raise
             result, ok = None, False
+            self.break_group()  # peers blocked on this member fail now, not at the timeout
             log.warning("%s failed on this member: %s", op, str(exc).strip().splitlines()[0])
         finally:
             self._depth -= 1
@@ -485,6 +497,7 @@ class LiveMembership:
             except Exception as exc:  # noqa: BLE001 - a member lost while the group formed
                 if not is_lost_peer(exc):
                     raise
+                self.break_group()
                 formed = False
             if not formed:
                 continue  # a newer quorum (the launcher knows more) is formed next
@@ -524,6 +537,7 @@ class LiveMembership:
         except Exception as exc:  # noqa: BLE001 - the replacement (or the sender) died
             if not is_lost_peer(exc):
                 raise
+            self.break_group()
             return False
         self.counters.heal_s += time.monotonic() - start
         self.counters.healed += 1 if joining else len(quorum.joiners)

@@ -1,0 +1,105 @@
+"""A user's own loop with live fault tolerance, as docs/fault-tolerance.md shows it.
+
+    ddpkit run -n 3 --fault-tolerance live tests/live/scripts/live_loop.py OUT_DIR
+
+Each worker writes ``OUT_DIR/pid-<pid>`` (its slot) at start and, every step on rank 0,
+``OUT_DIR/progress`` (the step); at the end one ``FINAL {json}`` line per worker: its pid, rank,
+world size, step, the parameters' and optimizer state's checksums, the learning rate. With
+``SLOW_HEAL_S`` the state sent to a replacement takes that long to produce, after writing
+``OUT_DIR/healing`` (so a test can kill a replacement while it heals). ``STEP_S``: a sleep in
+every backward (so a SIGKILL at a random moment lands in backward).
+"""
+
+import hashlib
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+import torch
+from torch import nn
+from torch.utils.data import TensorDataset
+
+import ddpkit
+
+OUT = Path(sys.argv[1])
+EPOCHS = int(os.environ.get("EPOCHS", "6"))
+STEP_S = float(os.environ.get("STEP_S", "0.02"))
+SLOW_HEAL_S = float(os.environ.get("SLOW_HEAL_S", "0"))
+
+
+class SlowBackward(torch.autograd.Function):
+    """Identity forward; its backward sleeps STEP_S (the step's compute, stretched)."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        time.sleep(STEP_S)
+        return grad
+
+
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.body = nn.Sequential(nn.Linear(8, 64), nn.ReLU(), nn.Linear(64, 8))
+
+    def forward(self, x):
+        return self.body(SlowBackward.apply(x))
+
+
+class HealProbe:
+    """State of our own: sending it to a replacement is slow with SLOW_HEAL_S."""
+
+    def state_dict(self):
+        if SLOW_HEAL_S:
+            (OUT / "healing").write_text(str(os.getpid()))
+            time.sleep(SLOW_HEAL_S)
+        return {}
+
+    def load_state_dict(self, state):
+        pass
+
+
+x = torch.randn(3072, 8, generator=torch.Generator().manual_seed(0))
+y = x.argmax(dim=1)
+train_set, test_set = TensorDataset(x[:2560], y[:2560]), TensorDataset(x[2560:], y[2560:])
+(OUT / f"pid-{os.getpid()}").write_text(os.environ.get("DDPKIT_LIVE_SLOT", "-1"))
+
+with ddpkit.init_runtime() as rt:
+    ddpkit.configure_logging(rt.info)
+    torch.manual_seed(0)
+    model = ddpkit.wrap_model(Net(), rt)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    scheduler = torch.optim.lr_scheduler.StepLR(opt, step_size=50, gamma=0.5)
+    train = ddpkit.build_train_loader(train_set, rt, batch_size=32, seed=0)
+    test = ddpkit.build_eval_loader(test_set, rt, batch_size=256)
+    state = {"model": model, "optimizer": opt, "scheduler": scheduler, "loader": train,
+             "probe": HealProbe()}
+    ckpt = ddpkit.CheckpointManager(OUT / "checkpoints", rt, state=state, every_steps=25)
+    step = ckpt.resume()  # a replacement: healed from a live peer here
+    train_step = ddpkit.TrainStep(model, opt, runtime=rt, start_step=step)
+    for epoch in range(train.epoch, EPOCHS):
+        for result in ddpkit.train_epoch(train_step, train):
+            scheduler.step()
+            if rt.is_rank_zero:
+                (OUT / "progress").write_text(str(result.step))
+            ckpt.maybe_save(result.step)
+        metrics = ddpkit.evaluate(model, test, rt)
+        ddpkit.get_logger("train").info(
+            "epoch %d step %d world %d accuracy %.4f", epoch, train_step.num_steps,
+            rt.world_size, metrics["accuracy"],
+        )
+    params = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+    momenta = [s["momentum_buffer"] for s in opt.state.values() if "momentum_buffer" in s]
+    final = {
+        "pid": os.getpid(), "rank": rt.rank, "world_size": rt.world_size,
+        "step": train_step.num_steps, "params": params.double().sum().item(),
+        "params_sha256": hashlib.sha256(params.numpy().tobytes()).hexdigest(),
+        "momentum": sum(m.double().sum().item() for m in momenta),
+        "lr": scheduler.get_last_lr()[0], "counters": vars(rt.live.counters) if rt.live else {},
+    }
+    print("FINAL " + json.dumps(final), flush=True)
