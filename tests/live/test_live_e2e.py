@@ -131,3 +131,83 @@ def test_a_worker_killed_in_backward_leaves_its_peers_training_and_a_replacement
     counters = [f["counters"] for f in finals if f["pid"] == before[0]][0]
     assert counters["failures"] == 1 and counters["discarded_steps"] <= 1, counters
 
+
+
+def test_a_replacement_killed_while_it_heals_leaves_the_job_whole(job_dir):
+    # the survivors take 3 s to produce the state they send (a slow state_dict of the
+    # script's own): the replacement is killed inside that heal
+    job = LiveJob(
+        job_dir, 3, env={"STEP_S": "0.03", "EPOCHS": "30", "SLOW_HEAL_S": "3", "CKPT_EVERY": "0"}
+    )
+    job.wait_for_step(5)
+    first = job.slots()
+    os.kill(first[1], signal.SIGKILL)
+    job.wait_for_file("healing")
+    replacement = job.slots()[1]
+    assert replacement != first[1]
+    os.kill(replacement, signal.SIGKILL)
+    output = job.finish()
+    assert job.proc.returncode == 0, output
+    assert output.count("ddpkit run: live: slot 1 died (SIGKILL)\n") == 2, output
+    assert "slot(s) 1 healed from slot 0" in output, output  # the second replacement
+    _same_replicas(job.finals(), 3, output)
+    assert {f["pid"] for f in job.finals()} >= {first[0], first[2]}, output
+
+
+def test_the_last_member_dying_ends_the_job_naming_the_newest_checkpoint(job_dir):
+    job = LiveJob(job_dir, 2, "--max-restarts", "0", env={"STEP_S": "0.05", "EPOCHS": "40"})
+    job.wait_for_step(30)  # a checkpoint at step 25 is complete
+    slots = job.slots()
+    os.kill(slots[1], signal.SIGKILL)
+    job.wait_for_step(36)  # slot 0 trains on alone
+    os.kill(slots[0], signal.SIGKILL)
+    output = job.finish()
+    assert job.proc.returncode == 1, output
+    last = output.strip().splitlines()[-1]
+    assert "job FAILED: no live member is left to go on (slot 0 died (SIGKILL))" in last, output
+    newest = sorted((job_dir / "checkpoints").glob("step-*"))[-1]
+    assert f"the newest complete checkpoint is {newest}" in last, output
+    assert "again to resume from it" in last, output
+    assert "slot 1: no replacement (--max-restarts 0); the others go on without it" in output
+
+
+def test_a_stopped_worker_is_declared_dead_and_ended_while_its_peers_go_on(job_dir):
+    job = LiveJob(job_dir, 3, "--heartbeat-timeout", "2", env={"STEP_S": "0.02", "EPOCHS": "12"})
+    job.wait_for_step(10)
+    slots = job.slots()
+    os.kill(slots[2], signal.SIGSTOP)  # no crash, no closed connection: only silence
+    output = job.finish()
+    assert job.proc.returncode == 0, output
+    assert "slot 2 stopped answering (no heartbeat for" in output, output
+    assert not _alive(slots[2])  # ended by the launcher: it can never come back
+    finals = job.finals()
+    _same_replicas(finals, len(finals), output)
+    assert {f["pid"] for f in finals} >= {slots[0], slots[1]}, output
+
+
+def test_a_worker_leaving_on_its_own_signal_is_replaced_by_a_warm_spare(job_dir):
+    job = LiveJob(job_dir, 3, "--spares", "1", env={"STEP_S": "0.02", "EPOCHS": "12"})
+    job.wait_for_step(10)
+    slots = job.slots()
+    os.kill(slots[1], signal.SIGTERM)  # a preemption notice to this worker alone
+    output = job.finish()
+    assert job.proc.returncode == 0, output
+    assert "slot 1 left (its own stop signal)" in output, output
+    assert "slot 1: a warm spare takes over" in output, output
+    assert "slot(s) 1 healed from slot 0" in output, output
+    finals = job.finals()
+    _same_replicas(finals, 3, output)
+    assert slots[1] not in {f["pid"] for f in finals}
+
+
+def test_a_stop_signal_to_the_launcher_stops_every_member_at_one_step(job_dir):
+    job = LiveJob(job_dir, 3, env={"STEP_S": "0.02", "EPOCHS": "40"})
+    job.wait_for_step(10)
+    os.kill(job.proc.pid, signal.SIGTERM)
+    output = job.finish()
+    assert job.proc.returncode == 143, output
+    line = output.strip().splitlines()[-1]
+    step = int(line.split("after step ")[1].split(";")[0])
+    assert line.startswith(f"ddpkit run: stopped by SIGTERM after step {step}; all 3"), output
+    assert (job_dir / "checkpoints" / f"step-{step:08d}").is_dir(), output
+    assert "resume with: ddpkit run -n 3 --fault-tolerance live" in line, output

@@ -79,7 +79,8 @@ with ddpkit.init_runtime() as rt:
     test = ddpkit.build_eval_loader(test_set, rt, batch_size=256)
     state = {"model": model, "optimizer": opt, "scheduler": scheduler, "loader": train,
              "probe": HealProbe()}
-    ckpt = ddpkit.CheckpointManager(OUT / "checkpoints", rt, state=state, every_steps=25)
+    every = int(os.environ.get("CKPT_EVERY", "25"))
+    ckpt = ddpkit.CheckpointManager(OUT / "checkpoints", rt, state=state, every_steps=every)
     step = ckpt.resume()  # a replacement: healed from a live peer here
     train_step = ddpkit.TrainStep(model, opt, runtime=rt, start_step=step)
     for epoch in range(train.epoch, EPOCHS):
