@@ -33,6 +33,7 @@ from ddpkit.cli.flags import add_settings_arguments, given_settings
 from ddpkit.distributed.env import detect_process_info
 from ddpkit.distributed.stop import TrainingStopped, parse_stop_signals
 from ddpkit.files import make_output_folder
+from ddpkit.cli.run import LIVE_MAX_RESTARTS
 from ddpkit.launch.launcher import LaunchSpec, launch
 from ddpkit.settings import read_toml, to_toml
 
@@ -120,6 +121,8 @@ def run(args: argparse.Namespace) -> int:
     make_output_folder(config.output_dir)  # a one-line error where mkdir fails (#16)
     if info.is_distributed:  # torchrun -m ddpkit train, or srun -n 2
         return _train_here(config, source, worker=False)
+    if config.fault_tolerance == "live" and "max_restarts" not in given:
+        config = dataclasses.replace(config, max_restarts=LIVE_MAX_RESTARTS)
     if nproc == 1 and not config.max_restarts:  # restarts are torchrun's: those go through it
         return _train_here(config, source, worker=False, argv=args.argv)
     return _launch(config, source, nproc, argv=args.argv)
@@ -154,7 +157,14 @@ def _launch(config: TrainConfig, source: DataSource, nproc: int, *, argv: list[s
             stop_signals=parse_stop_signals(config.stop_signals),
             mem_per_rank_mib=RANK_MEMORY_MIB[source.dataset],  # --nproc that cannot fit: refused
             mem_per_rank_what=f"a ddpkit train rank on {source.dataset}",
+            fault_tolerance=config.fault_tolerance,
+            spares=config.spares,
+            heartbeat_timeout_s=config.heartbeat_timeout,
         )
+        if config.fault_tolerance == "live":
+            from ddpkit.launch.live import launch_live
+
+            return launch_live(spec)
         return launch(spec)
 
 
@@ -172,6 +182,7 @@ def _train_here(
         stall_timeout_s=config.stall_timeout if on else None,
         deadlock_timeout_s=5.0 if on else None,
         stop_signals=parse_stop_signals(config.stop_signals),
+        fault_tolerance=config.fault_tolerance,
     ) as runtime:
         configure_logging(runtime.info)
         if source.note and not worker:

@@ -38,6 +38,8 @@ class _Pass:
         num_batches: batches the pass yields on this rank (``None``: a stream of unknown length).
         start, end: the epoch's global positions ``[start, end)`` it covers (map-style only).
         done: batches handed out so far.
+        world_size: the ranks the pass is dealt to (a re-shard during the pass, live fault
+            tolerance's, applies to the next pass only).
     """
 
     epoch: int
@@ -46,6 +48,7 @@ class _Pass:
     start: int = 0
     end: int = 0
     done: int = 0
+    world_size: int = 1
 
 
 def resumed_end(start: int, epoch_end: int, world_size: int, drop_last: bool) -> int:
@@ -221,7 +224,8 @@ class ShardedLoader:
             start = position["samples_done"]
             end = resumed_end(start, position["epoch_samples"], world_size, drop_last)
         count = pass_batches(start, end, world_size, batch_size, drop_last, self.max_batches)
-        return _Pass(epoch, start // (batch_size * world_size), count, start, end)
+        return _Pass(epoch, start // (batch_size * world_size), count, start, end,
+                     world_size=world_size)  # fmt: skip
 
     def next_pass_size(self) -> tuple[int | None, int | None]:
         """``(batches, samples)`` of the next pass: this rank's batches and every rank's samples
@@ -259,7 +263,7 @@ class ShardedLoader:
             return {**self._fresh(current.epoch + 1), **meta}
         if self.sampler is None:
             return {"epoch": current.epoch, "batches_done": current.first + current.done, **meta}
-        done = min(current.start + current.done * batch_size * self._world_size, current.end)
+        done = min(current.start + current.done * batch_size * current.world_size, current.end)
         return {"epoch": current.epoch, "samples_done": done, "epoch_samples": current.end,
                 **meta}  # fmt: skip
 

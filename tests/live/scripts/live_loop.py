@@ -7,7 +7,9 @@ Each worker writes ``OUT_DIR/pid-<pid>`` (its slot) at start and, every step on 
 world size, step, the parameters' and optimizer state's checksums, the learning rate. With
 ``SLOW_HEAL_S`` the state sent to a replacement takes that long to produce, after writing
 ``OUT_DIR/healing`` (so a test can kill a replacement while it heals). ``STEP_S``: a sleep in
-every backward (so a SIGKILL at a random moment lands in backward).
+every backward (so a SIGKILL at a random moment lands in backward). ``LOG_STEPS=1``: every
+worker appends each committed step's parameter checksum and its samples' indices to
+``OUT_DIR/steps-<pid>.txt`` (bench/live_trials.py checks replicas and sample accounting).
 """
 
 import hashlib
@@ -43,12 +45,16 @@ class SlowBackward(torch.autograd.Function):
 
 
 class Net(nn.Module):
+    """The input's last column is the sample's index (recorded, not learned from)."""
+
     def __init__(self):
         super().__init__()
         self.body = nn.Sequential(nn.Linear(8, 64), nn.ReLU(), nn.Linear(64, 8))
+        self.seen: list[int] = []
 
     def forward(self, x):
-        return self.body(SlowBackward.apply(x))
+        self.seen = x[:, -1].long().tolist()
+        return self.body(SlowBackward.apply(x[:, :-1]))
 
 
 class HealProbe:
@@ -66,6 +72,8 @@ class HealProbe:
 
 x = torch.randn(3072, 8, generator=torch.Generator().manual_seed(0))
 y = x.argmax(dim=1)
+x = torch.cat([x, torch.arange(len(x), dtype=x.dtype)[:, None]], dim=1)
+LOG = OUT / f"steps-{os.getpid()}.txt" if os.environ.get("LOG_STEPS") == "1" else None
 train_set, test_set = TensorDataset(x[:2560], y[:2560]), TensorDataset(x[2560:], y[2560:])
 (OUT / f"pid-{os.getpid()}").write_text(os.environ.get("DDPKIT_LIVE_SLOT", "-1"))
 
@@ -86,6 +94,12 @@ with ddpkit.init_runtime() as rt:
     for epoch in range(train.epoch, EPOCHS):
         for result in ddpkit.train_epoch(train_step, train):
             scheduler.step()
+            if LOG is not None:
+                digest = hashlib.sha256(
+                    torch.cat([p.detach().reshape(-1) for p in model.parameters()]).numpy()
+                ).hexdigest()[:16]
+                with LOG.open("a") as handle:
+                    handle.write(f"{epoch} {result.step} {digest} {ddpkit.unwrap_model(model).seen}\n")
             if rt.is_rank_zero:
                 (OUT / "progress").write_text(str(result.step))
             ckpt.maybe_save(result.step)

@@ -131,6 +131,20 @@ class LaunchConfig:
         "checkpoint at it (default %(default)s; none = the signals' usual effect)",
         check=_stop_signals_rule, metavar="SIGNALS",
     )  # fmt: skip
+    fault_tolerance: str = option(
+        "restart", "restart: a failed rank stops every rank (restarted with --max-restarts from "
+        "the newest checkpoint); live: the others keep training and a replacement (up to "
+        "--max-restarts, default 3 here) heals from them (docs/fault-tolerance.md; ddp only)",
+        choices=("restart", "live"),
+    )  # fmt: skip
+    spares: int = option(
+        0, "live: warm spare processes (torch already imported) that take over lost ranks",
+        check=at_least(0), metavar="S",
+    )  # fmt: skip
+    heartbeat_timeout: float = option(
+        10.0, "live: a rank whose heartbeat stops this long (SIGSTOP, a frozen host) is ended "
+        "and its peers go on (default %(default)s)", check=finite(above=1), metavar="SECONDS",
+    )  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -374,7 +388,7 @@ def check(config: TrainConfig, *, world_size: int | None = None) -> None:
     problems = field_problems(config)
     if not problems:  # the rules below compare values that are each valid
         size = world_size if world_size is not None else config.nproc
-        rules = (_step_rules, _local_sgd_rules, _compile_rules)
+        rules = (_step_rules, _local_sgd_rules, _compile_rules, _live_rules)
         problems = [p for rule in rules for p in rule(config)]
         problems += _strategy_rules(config, size) if size is not None else []
     if problems:
@@ -445,6 +459,37 @@ def _local_sgd_rules(c: TrainConfig) -> list[str]:
                 f"multiple of {c.sync_every}"
             )
     return problems
+
+
+def _live_rules(c: TrainConfig) -> list[str]:
+    """Live fault tolerance trains plain data-parallel replicas (gradients all-reduced by the
+    step, not DDP): what it does not take."""
+    if c.fault_tolerance != "live":
+        return [f"spares={c.spares} with fault_tolerance='restart'. Spares take over lost ranks "
+                "of a live job only. Add --fault-tolerance live, or drop --spares"] if c.spares \
+            else []  # fmt: skip
+    given = {
+        "strategy": c.strategy not in ("auto", "ddp"),
+        "grad_compression": c.grad_compression != "none",
+        "sync_every": c.sync_every > 1,
+        "sync_batchnorm": c.sync_batchnorm,
+        "bucket_cap_mb": c.bucket_cap_mb is not None,
+        "grad_as_bucket_view": c.grad_as_bucket_view,
+        "find_unused_parameters": c.find_unused_parameters,
+        "static_graph": c.static_graph,
+        "compile": c.compile,
+        "join": c.join,
+        "async_checkpoint": c.async_checkpoint,
+        "precision": c.precision == "16-mixed",
+    }
+    named = [f"{name}={getattr(c, name)!r}" for name, on in given.items() if on]
+    if not named:
+        return []
+    return [
+        f"fault_tolerance='live' with {', '.join(named)}. Live fault tolerance trains plain "
+        "data-parallel replicas whose gradients the step all-reduces (no DDP wrapper a dying "
+        "peer would break). Drop them, or use fault_tolerance='restart'"
+    ]
 
 
 def _strategy_rules(c: TrainConfig, world_size: int) -> list[str]:

@@ -62,7 +62,9 @@ class Goodput:
 
     def __init__(self, output_dir: Path, runtime: Runtime, resumed_step: int) -> None:
         self.folder = output_dir / FOLDER
-        self.writer = runtime.is_rank_zero
+        self.runtime = runtime
+        # live fault tolerance: rank 0 may change hands; each process keeps its own split
+        self.writer = runtime.is_rank_zero and runtime.live is None
         restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
         if self.writer and resumed_step == 0 and restart == 0:
             shutil.rmtree(self.folder, ignore_errors=True)  # a fresh run
@@ -111,6 +113,10 @@ class Goodput:
         if self._fd is not None:
             os.close(self._fd)
             self._fd = None
+        live = self.runtime.live
+        if live is not None:
+            self.record["last_time"] = time.time()
+            return live_split(self.record, vars(live.counters)) if self.runtime.is_rank_zero else {}
         return summarize(read_attempts(self.folder)) if self.writer else {}
 
     def _write(self) -> None:
@@ -162,10 +168,44 @@ def summarize(attempts: list[dict[str, Any]]) -> dict[str, Any]:
     }  # fmt: skip
 
 
+def live_split(record: dict[str, Any], counters: dict[str, Any]) -> dict[str, Any]:
+    """The time split of one process of a live fault-tolerant run (the one that is rank 0 at
+    the end; a replacement's wall time starts at its own start): :func:`summarize`'s keys, with
+    ``recovery_s`` (quorum changes: the failed operations and the moves to the next quorum)
+    taken out of the training time, steps discarded counted at the mean step time, and the
+    live counters (failures, discarded steps, stall, heal time) under ``live``."""
+    wall = record["last_time"] - record["start_time"]
+    steps = max(record["furthest_step"] - record["resumed_step"], 1)
+    recovery = min(counters["stall_s"], record["loop_s"])
+    steps_s = max(record["loop_s"] - record["checkpoint_s"] - recovery, 0.0)
+    discarded_s = steps_s * min(counters["discarded_steps"] / steps, 1.0)
+    productive = steps_s - discarded_s
+    known = productive + discarded_s + recovery + record["checkpoint_s"]
+    known += record["startup_s"] + record["evaluation_s"]
+    return {
+        "wall_s": wall, "productive_s": productive, "startup_s": record["startup_s"],
+        "checkpoint_s": record["checkpoint_s"], "evaluation_s": record["evaluation_s"],
+        "recomputed_s": discarded_s, "recomputed_steps": counters["discarded_steps"],
+        "recovery_s": recovery, "other_s": max(wall - known, 0.0),
+        "goodput": productive / wall if wall > 0 else None, "attempts": 1, "restarts": 0,
+        "live": counters,
+    }  # fmt: skip
+
+
 def goodput_line(split: dict[str, Any]) -> str:
     """The last log line: ``goodput 0.87: productive 35.0 s of 40.1 s wall; ...``."""
     if not split or split["goodput"] is None:
         return "goodput: no time measured"
+    if "live" in split:
+        live = split["live"]
+        return (
+            f"goodput {split['goodput']:.2f}: productive steps {split['productive_s']:.1f} s of "
+            f"{split['wall_s']:.1f} s wall (this process); live fault tolerance: "
+            f"{live['failures']} failure(s) survived, {split['recomputed_steps']} step(s) "
+            f"discarded, recovery {split['recovery_s']:.2f} s, heal {live['heal_s']:.2f} s; "
+            f"checkpoints {split['checkpoint_s']:.1f} s, start-up {split['startup_s']:.1f} s, "
+            f"evaluation {split['evaluation_s']:.1f} s, other {split['other_s']:.1f} s"
+        )
     return (
         f"goodput {split['goodput']:.2f}: productive steps {split['productive_s']:.1f} s of "
         f"{split['wall_s']:.1f} s wall; checkpoints {split['checkpoint_s']:.1f} s, start-up and "

@@ -105,7 +105,9 @@ def build_model_and_optimizer(
         optimizer = enable_local_sgd(
             model, inner, runtime=runtime, sync_every=config.sync_every, comm_stats=stats
         )
-    elif stats is not None and not hooked and isinstance(model, DistributedDataParallel):
+    elif stats is not None and not hooked and (
+        isinstance(model, DistributedDataParallel) or runtime.live is not None
+    ):  # DDP's own all-reduce, or live fault tolerance's (the same bytes, after backward)
         stats.builtin_sync_bytes = sum(
             p.numel() * p.element_size() for p in model.parameters() if p.requires_grad
         )
@@ -154,8 +156,9 @@ def _fault_injection(runtime: Runtime) -> int:
 
 
 def _ddp_options(config: TrainConfig, runtime: Runtime) -> dict:
-    """DDP keyword arguments from the config (none at world size 1, where there is no DDP)."""
-    if runtime.world_size == 1:
+    """DDP keyword arguments from the config (none at world size 1, where there is no DDP,
+    nor with live fault tolerance, whose replicas are plain modules)."""
+    if runtime.world_size == 1 or runtime.live is not None:
         return {}
     options = {"find_unused_parameters": config.find_unused_parameters}
     return {**options, "static_graph": config.static_graph}
@@ -270,6 +273,9 @@ def build_training(
 
 def _resume(config: TrainConfig, job: MnistTraining, plan: BatchPlan) -> int:
     """The step ``--resume`` restored (0: a fresh start). Collective: call on every rank."""
+    live = job.ckpt.runtime.live
+    if live is not None and live.quorum is None:  # a live replacement: healed from a peer
+        return job.ckpt.resume()
     if not config.resume:
         return 0
     if plan.note:
