@@ -160,6 +160,7 @@ def _launch(config: TrainConfig, source: DataSource, nproc: int, *, argv: list[s
             fault_tolerance=config.fault_tolerance,
             spares=config.spares,
             heartbeat_timeout_s=config.heartbeat_timeout,
+            preload=("ddpkit.app.mnist.job", "ddpkit.cli.train"),
         )
         if config.fault_tolerance == "live":
             from ddpkit.launch.live import launch_live

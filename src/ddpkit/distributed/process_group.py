@@ -461,11 +461,7 @@ def init_runtime(
     signals = default_stop_signals() if stop_signals is None else tuple(stop_signals)
     stop = StopRequest(signals)  # a bad signal: an error now, before the rendezvous
     if live:
-        runtime = start_live(info, chosen, device, init_timeout_s, train_timeout_s)
-        runtime.stop = stop if stop.install() else None
-        if runtime.stop is not None and runtime.live is not None:
-            runtime.live.leave_signal = runtime.stop.received_name
-        return runtime
+        return start_live(info, chosen, device, init_timeout_s, train_timeout_s, stop)
     if not info.is_distributed:
         runtime = Runtime(info, device=device, train_timeout_s=float(train_timeout_s))
         runtime.stop = stop if stop.install() else None
@@ -478,20 +474,8 @@ def init_runtime(
     if store is None:
         _check_master_address(info)
     store, hashes_agree = _rendezvous(info, store, init_timeout_s, chosen=chosen, device=device)
-    dist.init_process_group(
-        backend=chosen,
-        rank=info.rank,
-        world_size=info.world_size,
-        timeout=datetime.timedelta(seconds=init_timeout_s),
-        device_id=device if chosen == "nccl" else None,
-        store=store,
-    )
+    group = _process_groups(info, store, chosen, device, init_timeout_s, train_timeout_s)
     try:
-        group = dist.new_group(timeout=datetime.timedelta(seconds=train_timeout_s))
-        # gloo's connectFullMesh can return on one rank while a peer still reads the handshake:
-        # a rank that closed the runtime at once then failed that peer with "Connection closed
-        # by peer" (3% of 2-rank runs under load). Past this barrier no rank is still connecting.
-        dist.barrier(group=group)
         watchdog = _start_watchdog(store, info, group, stall_timeout_s, deadlock_timeout_s)
     except BaseException:
         dist.destroy_process_group()
@@ -510,17 +494,49 @@ def init_runtime(
     return runtime
 
 
+def _process_groups(
+    info: ProcessInfo,
+    store: dist.Store,
+    backend: str,
+    device: torch.device,
+    init_timeout_s: float,
+    train_timeout_s: float,
+) -> dist.ProcessGroup:
+    """The default group (init timeout) and the training group (train timeout); returns the
+    training group once every rank is connected to it."""
+    dist.init_process_group(
+        backend=backend,
+        rank=info.rank,
+        world_size=info.world_size,
+        timeout=datetime.timedelta(seconds=init_timeout_s),
+        device_id=device if backend == "nccl" else None,
+        store=store,
+    )
+    try:
+        group = dist.new_group(timeout=datetime.timedelta(seconds=train_timeout_s))
+        # gloo's connectFullMesh can return on one rank while a peer still reads the handshake:
+        # a rank that closed the runtime at once then failed that peer with "Connection closed
+        # by peer" (3% of 2-rank runs under load). Past this barrier no rank is still connecting.
+        dist.barrier(group=group)
+    except BaseException:
+        dist.destroy_process_group()
+        raise
+    return group
+
+
 def start_live(
     info: ProcessInfo,
     backend: str,
     device: torch.device,
     init_timeout_s: float,
     train_timeout_s: float,
+    stop: StopRequest,
 ) -> Runtime:
     """A runtime in a live fault-tolerant job (see :mod:`ddpkit.live`): its rank, world size
     and process group follow the job's quorums; no watchdog (the launcher detects dead and
     hung workers). A replacement starts alone (world size 1, no group) until
-    ``CheckpointManager.resume`` heals it into the job."""
+    ``CheckpointManager.resume`` heals it into the job. ``stop``'s signals, received by this
+    process alone, make it leave the job (its peers go on)."""
     membership = join_live(info, backend, device, init_timeout_s, train_timeout_s)
     runtime = Runtime(
         dataclasses.replace(info, rank=0, world_size=1, local_world_size=1, local_rank=0),
@@ -532,6 +548,9 @@ def start_live(
     membership.on_change.insert(0, runtime.adopt_quorum)
     if membership.quorum is not None:
         runtime.adopt_quorum(membership.quorum)
+    runtime.stop = stop if stop.install() else None
+    if runtime.stop is not None:
+        membership.leave_signal = runtime.stop.received_name
     return runtime
 
 

@@ -113,6 +113,7 @@ class LaunchSpec:
         spares: live: warm spare processes started up front, each taking over a lost slot.
         heartbeat_timeout_s: live: a worker whose heartbeat (every 0.5 s, from a thread of
             its own) stops this long is declared dead and killed (SIGSTOP, a frozen host).
+        preload: live: modules a warm spare imports while it waits (the target's own).
     """
 
     target: list[str]
@@ -136,6 +137,7 @@ class LaunchSpec:
     fault_tolerance: str = "restart"
     spares: int = 0
     heartbeat_timeout_s: float = 10.0
+    preload: tuple[str, ...] = ()
 
     @property
     def world_size(self) -> int:

@@ -31,13 +31,13 @@ from ddpkit.diagnostics.failures import read_records
 from ddpkit.errors import ConfigError
 from ddpkit.launch.launcher import LaunchSpec, _preflight, _worker_environment
 from ddpkit.launch.network import host_rendezvous_store
+from ddpkit.launch.spare import PRELOAD_ENV, SPARE_ENV
 from ddpkit.launch.stopping import stop_line
 from ddpkit.launch.summary import summarize_failure
 from ddpkit.live.lighthouse import Event, Lighthouse
 from ddpkit.live.protocol import REPLICA_ENV, SLOT_ENV, STORE_ENV, key
 from ddpkit.live.start import MODE_ENV, ROLE_ENV
 
-SPARE_ENV = "DDPKIT_LIVE_SPARE"  # a warm spare's id (it waits for live/activate/<id>)
 TICK_S = 0.05
 
 
@@ -184,6 +184,7 @@ def launch_live(spec: LaunchSpec) -> int:
         **_worker_environment(spec, plan, run_dir),
         STORE_ENV: f"{plan.local_address}:{store.port}",
         MODE_ENV: "live",
+        PRELOAD_ENV: ",".join(spec.preload),
     }
     pool = WorkerPool(spec, env, store)
     lighthouse = Lighthouse(store, spec.nproc, heartbeat_timeout_s=spec.heartbeat_timeout_s)

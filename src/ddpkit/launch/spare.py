@@ -14,11 +14,14 @@ import sys
 import time
 
 SPARE_ENV = "DDPKIT_LIVE_SPARE"
+PRELOAD_ENV = "DDPKIT_LIVE_PRELOAD"  # modules the target imports (ddpkit train: its job's)
 POLL_S = 0.02
 
 
-def _warm_up(target: list[str]) -> None:
-    """Import what every worker imports (and ``ddpkit train``'s job when that is the target)."""
+def _warm_up() -> None:
+    """Import what every worker imports, and the modules the launcher names."""
+    import importlib
+
     import torch  # noqa: F401
     import torch.distributed  # noqa: F401
     import torch.nn.functional  # noqa: F401
@@ -27,16 +30,15 @@ def _warm_up(target: list[str]) -> None:
     import ddpkit.checkpoint.manager  # noqa: F401
     import ddpkit.launch.worker  # noqa: F401
 
-    if target[:3] == ["-m", "ddpkit", "train"]:
-        import ddpkit.app.mnist.job  # noqa: F401
-        import ddpkit.cli.train  # noqa: F401
+    for name in filter(None, os.environ.get(PRELOAD_ENV, "").split(",")):
+        importlib.import_module(name)
 
 
 def main() -> None:
     from ddpkit.launch.worker import die_with_launcher
 
     die_with_launcher()
-    _warm_up(sys.argv[1:])
+    _warm_up()
     import torch.distributed as dist
 
     from ddpkit.live.protocol import REPLICA_ENV, SLOT_ENV, STORE_ENV, key
