@@ -152,20 +152,33 @@ def _inject(kind: str, out: Path, job: Job, rng: random.Random) -> tuple[float, 
 
 
 def _check_logs(out: Path) -> dict:
-    """Forks (a step whose checksum differs across workers) and the sample accounting."""
-    by_step: dict[int, set[str]] = {}
-    samples: dict[int, Counter] = {}
+    """Forks (a step whose checksum differs across workers) and the sample accounting: the
+    samples of every forward (``F step quorum``) whose step was committed in that quorum
+    (``C step quorum``, by any worker), counted per epoch."""
+    by_step: dict[str, set[str]] = {}
+    epoch_of: dict[str, int] = {}
+    forwards: dict[str, list[int]] = {}
     for path in out.glob("steps-*.txt"):
         for line in path.read_text().splitlines():
-            epoch, step, digest, seen = line.split(" ", 3)
-            by_step.setdefault(int(step), set()).add(digest)
-            samples.setdefault(int(epoch), Counter()).update(json.loads(seen))
-    forks = sum(1 for digests in by_step.values() if len(digests) > 1)
+            kind, step, quorum, rest = line.split(" ", 3)
+            if kind == "C":
+                digest, epoch = rest.split()
+                by_step.setdefault(f"{step} {quorum}", set()).add(digest)
+                epoch_of[f"{step} {quorum}"] = int(epoch)
+            else:
+                forwards.setdefault(f"{step} {quorum}", []).extend(json.loads(rest))
+    samples: dict[int, Counter] = {}
+    for step_key, epoch in epoch_of.items():
+        samples.setdefault(epoch, Counter()).update(forwards.get(step_key, []))
+    steps: dict[str, set[str]] = {}
+    for step_key, digests in by_step.items():
+        steps.setdefault(step_key.split()[0], set()).update(digests)
+    forks = sum(1 for digests in steps.values() if len(digests) > 1)
     missing = repeats = 0
     for epoch, counts in samples.items():
         missing += sum(1 for i in range(DATASET_LEN) if counts[i] == 0)
         repeats += sum(c - 1 for c in counts.values() if c > 1)
-    return {"forks": forks, "steps_logged": len(by_step), "epochs": len(samples),
+    return {"forks": forks, "steps_logged": len(steps), "epochs": len(samples),
             "missing_samples": missing, "padding_repeats": repeats}  # fmt: skip
 
 
@@ -184,6 +197,7 @@ def live_trial(index: int, kind: str, spares: int, rng: random.Random, root: Pat
         return {**record, "error": "no progress before the fault", "output": job.output[-2000:]}
     at, survivors = _inject(kind, out, job, rng)
     code = job.wait(timeout_s=240)
+    (out / "output.txt").write_text(job.output)
     finals = [json.loads(s[6:]) for _, s in job.lines if s.startswith("FINAL ")]
     detected = job.first(r"live: slot \d+ (died|stopped answering|left)", at)
     healed = job.first(r"healed from slot", at)

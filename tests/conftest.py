@@ -92,6 +92,7 @@ def mnist_dir() -> Path:
 _FOLDER_MARKERS = {
     "distributed": "distributed",
     "e2e": "e2e",
+    "live": "live",
     "multinode": "multinode",
     "slurm": "slurm",
 }
@@ -102,5 +103,5 @@ def pytest_collection_modifyitems(config, items):
         folder = Path(str(item.fspath)).parent.name
         if folder in _FOLDER_MARKERS:
             item.add_marker(getattr(pytest.mark, _FOLDER_MARKERS[folder]))
-        if folder in ("e2e", "multinode", "slurm"):
+        if folder in ("e2e", "live", "multinode", "slurm"):
             item.add_marker(pytest.mark.slow)

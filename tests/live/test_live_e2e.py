@@ -211,3 +211,23 @@ def test_a_stop_signal_to_the_launcher_stops_every_member_at_one_step(job_dir):
     assert line.startswith(f"ddpkit run: stopped by SIGTERM after step {step}; all 3"), output
     assert (job_dir / "checkpoints" / f"step-{step:08d}").is_dir(), output
     assert "resume with: ddpkit run -n 3 --fault-tolerance live" in line, output
+
+
+def test_a_worker_hung_in_its_own_code_is_ended_after_the_timeouts(job_dir):
+    # its heartbeat goes on: the peers' all-reduce times out (TRAIN_TIMEOUT), they wait as
+    # long again for its vote, report it, and the launcher ends it
+    job = LiveJob(job_dir, 3, env={"STEP_S": "0.02", "EPOCHS": "12", "TRAIN_TIMEOUT": "4"})
+    job.wait_for_step(10)
+    slots = job.slots()
+    (job_dir / "hang-1").write_text("")
+    deadline = time.monotonic() + 60
+    while _alive(slots[1]) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    (job_dir / "hang-1").unlink()  # its replacement, in the same slot, trains normally
+    output = job.finish()
+    assert job.proc.returncode == 0, output
+    assert "slot 1 hung (its peers waited" in output, output
+    assert not _alive(slots[1])
+    finals = job.finals()
+    _same_replicas(finals, len(finals), output)
+    assert {f["pid"] for f in finals} >= {slots[0], slots[2]}, output

@@ -8,6 +8,7 @@ import datetime
 import pytest
 import torch.distributed as dist
 
+from ddpkit.errors import DistributedError
 from ddpkit.live.lighthouse import Lighthouse
 from ddpkit.live.membership import LiveMembership, RefusedError, is_lost_peer
 from ddpkit.live.protocol import DEAD, Quorum, Vote, decide, key, next_quorum, slot_of
@@ -156,3 +157,10 @@ def test_lost_peer_errors_are_told_from_bugs():
     wrapped.__cause__ = RuntimeError("Read error [127.0.0.1]:5: Connection reset by peer")
     assert is_lost_peer(wrapped)
     assert not is_lost_peer(RuntimeError("mat1 and mat2 shapes cannot be multiplied"))
+
+
+def test_members_that_ran_different_operations_are_told_so():
+    votes = {"s0-a": Vote(True, 3, op="training step"), "s1-b": Vote(True, 3, op="barrier"),
+             "s2-c": Vote(True, 3, op="training step")}  # fmt: skip
+    with pytest.raises(DistributedError, match="'barrier' and 'training step'"):
+        decide(Q, votes)

@@ -47,6 +47,7 @@ from ddpkit.live.sockets import new_sockets, shut_down, socket_inodes
 from ddpkit.log import get_logger
 
 log = get_logger("live")
+REPLACEMENT_WAIT_S = 7 * 24 * 3600.0  # a replacement waits for the members' next step
 
 # gloo's words for a collective a peer's death broke (and the store's, for a lost launcher)
 _LOST_PEER = (
@@ -317,7 +318,9 @@ class LiveMembership:
 
     # -- voting -------------------------------------------------------------------------------
 
-    def vote(self, ok: bool, *, loss_sum: float = 0.0, num_samples: int = 0) -> Decision:
+    def vote(
+        self, ok: bool, *, loss_sum: float = 0.0, num_samples: int = 0, op: str = ""
+    ) -> Decision:
         """Vote on the current operation and return the members' decision.
 
         Not a torch collective (it goes through the store), but every member of the quorum
@@ -335,7 +338,7 @@ class LiveMembership:
             self.store.set(key("leave", self.replica), "1")
         mine = Vote(
             ok, status.latest, status.waiting, leave, status.stop, float(loss_sum),
-            int(num_samples),
+            int(num_samples), op,
         )  # fmt: skip
         written = self.store.compare_set(
             key("vote", quorum.number, seq, self.replica), "", mine.encode()
@@ -409,7 +412,7 @@ class LiveMembership:
             log.warning("%s failed on this member: %s", op, str(exc).strip().splitlines()[0])
         finally:
             self._depth -= 1
-        return Attempt(result, self.vote(ok, loss_sum=loss_sum, num_samples=num_samples))
+        return Attempt(result, self.vote(ok, loss_sum=loss_sum, num_samples=num_samples, op=op))
 
     def run(self, op: str, fn: Callable[[], Any]) -> Any:
         """Run ``fn`` as a guarded operation until it commits; a failure moves every member to
@@ -487,10 +490,11 @@ class LiveMembership:
             len(quorum.members), quorum.number, stall, healed,
         )  # fmt: skip
 
-    def _join(self, after: int, start: float) -> None:
-        """Wait for, form, heal and agree on the next quorum newer than ``after``."""
+    def _join(self, after: int, start: float, wait_s: float | None = None) -> None:
+        """Wait for (up to ``wait_s``; default 5 x the formation timeout), form, heal and
+        agree on the next quorum newer than ``after``."""
         while True:
-            quorum = self.wait_for_quorum(after, timeout_s=self.formation_timeout_s * 5)
+            quorum = self.wait_for_quorum(after, wait_s or self.formation_timeout_s * 5)
             after = quorum.number
             try:
                 formed = self.form(quorum)
@@ -502,7 +506,7 @@ class LiveMembership:
             if not formed:
                 continue  # a newer quorum (the launcher knows more) is formed next
             ok = self._heal(quorum)
-            decision = self.vote(ok)
+            decision = self.vote(ok, op="forming quorum")
             if decision.commit:
                 for callback in self.on_change:
                     callback(quorum)
@@ -573,7 +577,9 @@ class LiveMembership:
         Collective with the survivors (they heal it at their next step).
         """
         self.store.set(key("ready", self.replica), "1")
-        self._join(self.latest(), time.monotonic())
+        # the members take it in at their next step, however long their current one (an
+        # evaluation) takes; the launcher ends it if the job ends first
+        self._join(self.latest(), time.monotonic(), wait_s=REPLACEMENT_WAIT_S)
 
     def record_checkpoint(self, step: int, path: str) -> None:
         """Tell the launcher the newest complete checkpoint (it names it if the job ends)."""

@@ -35,6 +35,8 @@ from __future__ import annotations
 import json
 from dataclasses import asdict, dataclass, field
 
+from ddpkit.errors import DistributedError
+
 PREFIX = "live/"
 HEARTBEAT_S = 0.5  # a worker's heartbeat period
 DEAD = "DEAD"  # the tombstone a peer writes into a dead member's missing vote
@@ -121,6 +123,7 @@ class Vote:
         stop: the launcher asked the whole job to stop (the signal's name), else ``""``.
         loss_sum, num_samples: this member's summed loss and samples of a training step
             (0 for other operations): every member then knows the step's global loss.
+        op: the operation voted on ("training step", "evaluation", ...).
     """
 
     ok: bool
@@ -130,6 +133,7 @@ class Vote:
     stop: str = ""
     loss_sum: float = 0.0
     num_samples: int = 0
+    op: str = ""
 
     def encode(self) -> str:
         return json.dumps(asdict(self))
@@ -182,6 +186,14 @@ def decide(quorum: Quorum, votes: dict[str, Vote | None]) -> Decision:
     member reaches the same decision: replicas never fork.
     """
     cast = {m: v for m, v in votes.items() if v is not None}
+    ops = sorted({v.op for v in cast.values()})
+    if len(ops) > 1:
+        raise DistributedError(
+            f"live fault tolerance: the members ran different operations at the same point "
+            f"({' and '.join(repr(op) for op in ops)}), so their collectives did not match. "
+            "Every member must run the same ddpkit operations in the same order; a replacement "
+            "runs none between CheckpointManager.resume() and its first train_epoch step."
+        )
     dead = tuple(m for m in quorum.members if votes.get(m) is None)
     leaving = tuple(m for m, v in cast.items() if v.leave)
     commit = not dead and all(v.ok for v in cast.values())

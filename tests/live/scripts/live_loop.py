@@ -8,8 +8,12 @@ world size, step, the parameters' and optimizer state's checksums, the learning 
 ``SLOW_HEAL_S`` the state sent to a replacement takes that long to produce, after writing
 ``OUT_DIR/healing`` (so a test can kill a replacement while it heals). ``STEP_S``: a sleep in
 every backward (so a SIGKILL at a random moment lands in backward). ``LOG_STEPS=1``: every
-worker appends each committed step's parameter checksum and its samples' indices to
-``OUT_DIR/steps-<pid>.txt`` (bench/live_trials.py checks replicas and sample accounting).
+worker appends to ``OUT_DIR/steps-<pid>.txt`` the samples of each forward (``F step quorum
+indices``, written before the step's collectives, so a worker killed after its vote still left
+them) and each committed step's parameter checksum (``C step quorum digest``);
+bench/live_trials.py checks replicas and sample accounting with them.
+A file ``OUT_DIR/hang-<slot>`` makes that slot's worker hang in its own code (a sleep between
+steps, its heartbeat alive); ``TRAIN_TIMEOUT``: ``init_runtime``'s ``train_timeout_s``.
 """
 
 import hashlib
@@ -50,10 +54,14 @@ class Net(nn.Module):
     def __init__(self):
         super().__init__()
         self.body = nn.Sequential(nn.Linear(8, 64), nn.ReLU(), nn.Linear(64, 8))
-        self.seen: list[int] = []
+        self.key_fn = lambda: "0 0"  # "step quorum" of the step in progress (set by the loop)
+        self.key = ""
 
     def forward(self, x):
-        self.seen = x[:, -1].long().tolist()
+        if LOG is not None and torch.is_grad_enabled():
+            self.key = self.key_fn()
+            with LOG.open("a") as handle:
+                handle.write(f"F {self.key} {x[:, -1].long().tolist()}\n")
         return self.body(SlowBackward.apply(x[:, :-1]))
 
 
@@ -77,7 +85,8 @@ LOG = OUT / f"steps-{os.getpid()}.txt" if os.environ.get("LOG_STEPS") == "1" els
 train_set, test_set = TensorDataset(x[:2560], y[:2560]), TensorDataset(x[2560:], y[2560:])
 (OUT / f"pid-{os.getpid()}").write_text(os.environ.get("DDPKIT_LIVE_SLOT", "-1"))
 
-with ddpkit.init_runtime() as rt:
+SLOT = os.environ.get("DDPKIT_LIVE_SLOT", "-1")
+with ddpkit.init_runtime(train_timeout_s=float(os.environ.get("TRAIN_TIMEOUT", "1800"))) as rt:
     ddpkit.configure_logging(rt.info)
     torch.manual_seed(0)
     model = ddpkit.wrap_model(Net(), rt)
@@ -91,17 +100,25 @@ with ddpkit.init_runtime() as rt:
     ckpt = ddpkit.CheckpointManager(OUT / "checkpoints", rt, state=state, every_steps=every)
     step = ckpt.resume()  # a replacement: healed from a live peer here
     train_step = ddpkit.TrainStep(model, opt, runtime=rt, start_step=step)
+    net = ddpkit.unwrap_model(model)
+
+    net.key_fn = lambda: (
+        f"{train_step.num_steps + 1} {rt.live.quorum.number if rt.live and rt.live.quorum else 0}"
+    )
     for epoch in range(train.epoch, EPOCHS):
         for result in ddpkit.train_epoch(train_step, train):
+            committed_key = net.key  # the key of this step's forward
             scheduler.step()
             if LOG is not None:
                 digest = hashlib.sha256(
                     torch.cat([p.detach().reshape(-1) for p in model.parameters()]).numpy()
                 ).hexdigest()[:16]
                 with LOG.open("a") as handle:
-                    handle.write(f"{epoch} {result.step} {digest} {ddpkit.unwrap_model(model).seen}\n")
+                    handle.write(f"C {committed_key} {digest} {epoch}\n")
             if rt.is_rank_zero:
                 (OUT / "progress").write_text(str(result.step))
+            if (OUT / f"hang-{SLOT}").exists():
+                time.sleep(3600)  # hung in the script's own code
             ckpt.maybe_save(result.step)
         metrics = ddpkit.evaluate(model, test, rt)
         ddpkit.get_logger("train").info(

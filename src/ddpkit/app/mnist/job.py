@@ -335,8 +335,11 @@ def train_mnist(config: TrainConfig, runtime: Runtime, source: DataSource) -> di
     config = dataclasses.replace(config, batch_size=plan.batch_size, grad_accum=plan.grad_accum)
     check(config, world_size=runtime.world_size)
     job = build_training(config, runtime, source, plan=plan)
+    replacement = runtime.live is not None and runtime.live.quorum is None
     first_step = _resume(config, job, plan)
-    reset_outputs(output_dir, runtime, job.train_loader.epoch if first_step else None, first_step)
+    if not replacement:  # a live replacement joins a running job: its outputs stand
+        epoch = job.train_loader.epoch if first_step else None
+        reset_outputs(output_dir, runtime, epoch, first_step)
     timer = StepTimer(runtime, enabled=config.step_timing)
     monitor = TrainingMonitor(
         output_dir, runtime, timer, job.inner_optimizer, first_step,
