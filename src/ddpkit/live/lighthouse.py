@@ -218,8 +218,7 @@ class Lighthouse:
         return ""
 
     def _suspected(self, replica: str) -> str:
-        assert self.quorum is not None
-        name = key("suspect", self.quorum.number, replica)
+        name = key("suspect", replica)
         if self.store.check([name]):
             return f"hung (its peers waited {self.store.get(name).decode()} s for it)"
         return ""

@@ -379,7 +379,7 @@ class LiveMembership:
             waited = time.monotonic() - start
             if waited > self.hang_timeout_s:
                 for member in set(pending) - reported:
-                    self.store.set(key("suspect", quorum.number, member), f"{waited:.0f}")
+                    self.store.set(key("suspect", member), f"{waited:.0f}")
                     reported.add(member)
             time.sleep(pause)
             pause = min(pause * 2, 0.02)

@@ -24,7 +24,7 @@ Keys (all under ``live/``):
                                    written with ``compare_set``; ``DEAD`` when a peer found the
                                    member dead first (the member then refuses to go on)
 ``failed/<q>``                     counter: members of ``q`` whose operation failed
-``suspect/<q>/<replica>``          a member waited past the hang timeout for this one's vote
+``suspect/<replica>``              a member waited past the hang timeout for this one's vote
 ``arrive/<q>``                     counter: members of ``q`` ready to build its process group
 ``newest_checkpoint``              the newest complete checkpoint (JSON: step, path)
 =================================  ==============================================================
