@@ -1,8 +1,9 @@
 """Live fault tolerance under faults, against restart-everything, on the same faults.
 
     OMP_NUM_THREADS=1 .venv/bin/python bench/live_trials.py trials --count 50
-    OMP_NUM_THREADS=1 .venv/bin/python bench/live_trials.py goodput --every 60 --minutes 4
+    OMP_NUM_THREADS=1 .venv/bin/python bench/live_trials.py goodput --every 60 15 --minutes 3
     OMP_NUM_THREADS=1 .venv/bin/python bench/live_trials.py cost --rounds 5
+    OMP_NUM_THREADS=1 .venv/bin/python bench/live_trials.py cost --rounds 3 --data-dir DIR
 
 ``trials``: each trial is one ``ddpkit run -n 3 --fault-tolerance live`` job of
 ``tests/live/scripts/live_loop.py`` (``LOG_STEPS=1``: every worker logs each committed step's
@@ -21,13 +22,13 @@ the output lines as they arrive. ``--restart`` trials run the same SIGKILLs unde
 --max-restarts 3`` (torchrun restarts every worker, which resume from the newest checkpoint):
 time from the fault to training past the step it had reached, steps trained again.
 
-``goodput``: ``ddpkit train --dataset digits`` for ``--minutes``, a SIGKILL to a random worker
-every ``--every`` seconds, live (``--max-restarts 100``) against restart (``--max-restarts
-100 --checkpoint-every 10``): goodput = (samples trained into the final model per second with
-faults) / (the same without faults), each mode against its own fault-free run.
+``goodput``: ``ddpkit train --dataset digits`` for ``--minutes`` of epochs, a SIGKILL to a
+random worker every ``--every`` seconds, live (``--max-restarts 100``) against restart
+(``--max-restarts 100 --checkpoint-every 10``): goodput = (the job's samples per second of wall
+time with faults) / (the same without faults), each mode against its own fault-free run.
 
-``cost``: the same digits job without faults, live against restart, interleaved, medians of
-samples/s.
+``cost``: the same digits job (or one epoch of MNIST with ``--data-dir``) without faults, live
+against restart, interleaved, medians of samples/s.
 """
 
 from __future__ import annotations
@@ -175,7 +176,7 @@ def _check_logs(out: Path) -> dict:
         steps.setdefault(step_key.split()[0], set()).update(digests)
     forks = sum(1 for digests in steps.values() if len(digests) > 1)
     missing = repeats = 0
-    for epoch, counts in samples.items():
+    for counts in samples.values():
         missing += sum(1 for i in range(DATASET_LEN) if counts[i] == 0)
         repeats += sum(c - 1 for c in counts.values() if c > 1)
     return {"forks": forks, "steps_logged": len(steps), "epochs": len(samples),
@@ -203,8 +204,8 @@ def live_trial(index: int, kind: str, spares: int, rng: random.Random, root: Pat
     healed = job.first(r"healed from slot", at)
     stalls = [float(m) for _, s in job.lines for m in re.findall(r"stall ([\d.]+) s", s)]
     heals = [float(m) for _, s in job.lines for m in re.findall(r"at step \d+ in ([\d.]+) s", s)]
-    lost = [float(m) for _, s in job.lines for m in re.findall(r"discarded on every member "
-                                                                r"after ([\d.]+) s", s)]  # fmt: skip
+    lost_re = r"discarded on every member after ([\d.]+) s"
+    lost = [float(m) for _, s in job.lines for m in re.findall(lost_re, s)]
     failures = sum(1 for _, s in job.lines if re.search(r"^ddpkit run: live: slot \d+ "
                                                          r"(died|stopped|left)", s))  # fmt: skip
     return {
@@ -220,7 +221,9 @@ def live_trial(index: int, kind: str, spares: int, rng: random.Random, root: Pat
 
 
 def restart_trial(index: int, rng: random.Random, root: Path) -> dict:
-    """The same SIGKILL under restart-everything (torchrun restarts every worker)."""
+    """The same SIGKILL under restart-everything (torchrun restarts every worker, which resume
+    from the newest checkpoint): the time from the fault until training is past the step it
+    had reached, and the steps trained again."""
     out = root / f"restart-{index:03d}"
     out.mkdir(parents=True)
     env = {"STEP_S": "0.03", "EPOCHS": "14", "CKPT_EVERY": "10"}
@@ -230,15 +233,21 @@ def restart_trial(index: int, rng: random.Random, root: Path) -> dict:
     if not _wait_step(out, job, rng.randint(8, 40)):
         job.wait(5)
         return {"trial": index, "kind": "restart", "error": "no progress"}
-    reached = _step(out)
+    first = set(_slots(out).values())
     at, _ = _inject("kill", out, job, rng)
+    deadline = time.monotonic() + 60
+    while any(Path(f"/proc/{pid}").exists() for pid in first) and time.monotonic() < deadline:
+        time.sleep(0.01)  # torchrun stops the survivors; rank 0 wrote its last step by then
+    reached = _step(out)
     (out / "progress").write_text("0")  # the restarted workers write it again
     back = _wait_step(out, job, reached + 1, timeout_s=180)
     back_s = time.monotonic() - at if back else None
     code = job.wait(timeout_s=240)
-    resumed = [int(m) for _, s in job.lines for m in re.findall(r"resumed from .*\(step (\d+)\)", s)]
+    (out / "output.txt").write_text(job.output)
+    resumed_re = r"resumed from .*\(step (\d+)\)"
+    resumed = [int(m) for _, s in job.lines for m in re.findall(resumed_re, s)]
     return {"trial": index, "kind": "restart", "exit": code, "back_past_fault_s": back_s,
-            "recomputed_steps": reached - max(resumed, default=0) if resumed else None}
+            "recomputed_steps": reached - max(resumed) if resumed else None}  # fmt: skip
 
 
 def _stats(values: list[float]) -> str:
@@ -281,7 +290,8 @@ def run_trials(args: argparse.Namespace) -> None:
         group = [r for r in live if r["spares"] == spares]
         print(f"| spares={spares}: detection, failed step, stall, heal, rejoin (median / max s) |"
               f" {_stats([r['detect_s'] for r in group])}, "
-              f"{_stats([r['failed_op_s'] for r in group])}, {_stats([r['stall_s'] for r in group])}"
+              f"{_stats([r['failed_op_s'] for r in group])}, "
+              f"{_stats([r['stall_s'] for r in group])}"
               f", {_stats([r['heal_s'] for r in group])}, {_stats([r['rejoin_s'] for r in group])}"
               " | | |")
     if restart:
@@ -348,36 +358,43 @@ def run_goodput(args: argparse.Namespace) -> None:
     rows = []
     for mode in ("live", "restart"):
         clean = _train(mode, root / f"{mode}-clean", None, args.minutes, rng)
-        faulty = _train(mode, root / f"{mode}-faults", args.every, args.minutes, rng)
-        ratio = faulty["samples_per_wall_s"] / clean["samples_per_wall_s"] if clean[
-            "samples_per_wall_s"] else float("nan")  # fmt: skip
-        rows.append((mode, clean, faulty, ratio))
-        print(json.dumps({"mode": mode, "clean": clean, "faults": faulty, "goodput": ratio}))
-    print(f"\n{_machine()}; digits, 2 ranks, a SIGKILL every {args.every} s")
-    print("| mode | faults | wall with faults (s) | wall without (s) | goodput |")
-    print("|---|---|---|---|---|")
-    for mode, clean, faulty, ratio in rows:
-        print(f"| {mode} | {faulty['faults']} | {faulty['wall_s']:.1f} (exit {faulty['exit']}) | "
-              f"{clean['wall_s']:.1f} | {ratio:.3f} |")
+        print(json.dumps({"mode": mode, "clean": clean}), flush=True)
+        for every in args.every:
+            faulty = _train(mode, root / f"{mode}-faults-{every:g}", every, args.minutes, rng)
+            ratio = faulty["samples_per_wall_s"] / clean["samples_per_wall_s"] if clean[
+                "samples_per_wall_s"] else float("nan")  # fmt: skip
+            rows.append((mode, every, clean, faulty, ratio))
+            print(json.dumps({"mode": mode, "every_s": every, "faults": faulty,
+                              "goodput": ratio}), flush=True)  # fmt: skip
+    print(f"\n{_machine()}; digits, 2 ranks, {args.minutes:g} min of epochs, a SIGKILL to a "
+          "random worker every N s")
+    print("| mode | N (s) | faults | wall with faults (s) | wall without (s) | goodput |")
+    print("|---|---|---|---|---|---|")
+    for mode, every, clean, faulty, ratio in rows:
+        print(f"| {mode} | {every:g} | {faulty['faults']} | {faulty['wall_s']:.1f} (exit "
+              f"{faulty['exit']}) | {clean['wall_s']:.1f} | {ratio:.3f} |")
 
 
 def run_cost(args: argparse.Namespace) -> None:
     root = Path(tempfile.mkdtemp(prefix="ddpkit-live-cost-"))
+    data = ["--dataset", "digits", "--epochs", "30"] if args.data_dir is None else [
+        "--data-dir", args.data_dir, "--epochs", "1"]  # fmt: skip
     rates: dict[str, list[float]] = {"live": [], "restart": []}
     for round_ in range(args.rounds):
         for mode in ("restart", "live") if round_ % 2 else ("live", "restart"):
             out = root / f"{mode}-{round_}"
-            command = [sys.executable, "-m", "ddpkit", "train", "--nproc", "2", "--dataset",
-                       "digits", "--epochs", "30", "--output-dir", str(out), "--progress", "off",
+            command = [sys.executable, "-m", "ddpkit", "train", "--nproc", "2", *data,
+                       "--output-dir", str(out), "--progress", "off",
                        "--fault-tolerance", mode]  # fmt: skip
             job = Job(command, {})
-            job.wait(600)
+            job.wait(900)
             rates[mode].append(json.loads((out / "summary.json").read_text())["samples_per_s"])
             print(mode, round(rates[mode][-1]), flush=True)
     live, restart = statistics.median(rates["live"]), statistics.median(rates["restart"])
-    print(f"\n{_machine()}; digits, 2 ranks, 30 epochs, {args.rounds} interleaved rounds")
+    print(f"\n{_machine()}; {' '.join(data)}, 2 ranks, {args.rounds} interleaved rounds")
     print(f"samples/s median: live {live:.0f}, restart {restart:.0f}; live/restart "
-          f"{live / restart:.3f}")
+          f"{live / restart:.3f}; each: live {[round(r) for r in rates['live']]}, restart "
+          f"{[round(r) for r in rates['restart']]}")
 
 
 def _machine() -> str:
@@ -395,11 +412,12 @@ def main() -> None:
     trials.add_argument("--seed", type=int, default=0)
     trials.add_argument("--json", default="live_trials.json")
     goodput = sub.add_parser("goodput")
-    goodput.add_argument("--every", type=float, default=60.0)
-    goodput.add_argument("--minutes", type=float, default=4.0)
+    goodput.add_argument("--every", type=float, nargs="+", default=[60.0, 15.0])
+    goodput.add_argument("--minutes", type=float, default=3.0)
     goodput.add_argument("--seed", type=int, default=0)
     cost = sub.add_parser("cost")
     cost.add_argument("--rounds", type=int, default=5)
+    cost.add_argument("--data-dir", default=None, help="MNIST files: one epoch of MNIST instead")
     args = parser.parse_args()
     {"trials": run_trials, "goodput": run_goodput, "cost": run_cost}[args.what](args)
 

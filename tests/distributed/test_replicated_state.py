@@ -334,3 +334,47 @@ def test_zero_redundancy_optimizer_resumes_bitwise(tmp_path):
 
 def test_check_replicas_is_a_top_level_name_as_the_readme_writes_it():
     assert ddpkit.check_replicas is check_replicas and "check_replicas" in ddpkit.__all__
+
+
+def _scheduler_left_out(runtime, directory: str) -> dict:
+    """Issue 23 §4 on 2 ranks: a loop saves model and optimizer but not its StepLR, resumes in
+    the same processes with a fresh schedule; returns this rank's warnings and LRs."""
+    import logging
+
+    warnings: list[str] = []
+    handler = logging.Handler()
+    handler.emit = lambda record: warnings.append(record.getMessage())  # type: ignore
+    logging.getLogger("ddpkit").addHandler(handler)
+    torch.manual_seed(0)
+    model = ddpkit.wrap_model(nn.Linear(3, 2), runtime)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=4, gamma=0.5)
+    ckpt = ddpkit.CheckpointManager(directory, runtime, state={"model": model, "optimizer": opt})
+    for _ in range(6):
+        opt.zero_grad()
+        model(torch.ones(4, 3)).square().mean().backward()
+        opt.step()
+        sched.step()
+    ckpt.save(6)
+    lr_saved = opt.param_groups[0]["lr"]
+    fresh_opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    fresh_sched = torch.optim.lr_scheduler.StepLR(fresh_opt, step_size=4, gamma=0.5)
+    resumed = ddpkit.CheckpointManager(
+        directory, runtime, state={"model": model, "optimizer": fresh_opt}
+    )
+    resumed.resume()
+    fresh_sched.step()  # where the loop goes on
+    return {
+        "warnings": [w for w in warnings if "no LR scheduler" in w],
+        "lr_saved": lr_saved,
+        "lr_resumed": fresh_opt.param_groups[0]["lr"],
+    }
+
+
+def test_a_scheduler_left_out_is_named_once_on_rank_zero_of_a_real_job(tmp_path):
+    ranks = run_distributed(_scheduler_left_out, 2, args=(str(tmp_path / "ckpt"),))
+    assert [len(r["warnings"]) for r in ranks] == [2, 0]  # rank 0: one per manager
+    assert "StepLR" in ranks[0]["warnings"][0] and 'state["scheduler"]' in ranks[0]["warnings"][0]
+    # the fault itself, which the warning names: the schedule restarted on every rank
+    assert {r["lr_saved"] for r in ranks} == {0.05}
+    assert {r["lr_resumed"] for r in ranks} == {0.1}

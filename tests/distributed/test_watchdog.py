@@ -426,3 +426,49 @@ def test_the_watchdog_never_delays_the_exit():
     # a daemon thread (never keeps a process alive), stopped by close() at once
     for daemon, close_s, alive in run_distributed(_close_after_beats, 2):
         assert daemon and close_s < 1.0 and not alive, (daemon, close_s, alive)
+
+
+def _plain_torch_grad_enabled_validation(store):
+    """The same validation loop under plain torch: DDP, DistributedSampler(shuffle=False) over
+    5 samples (padded to 3 and 3), no ddpkit runtime."""
+    import datetime
+    import os
+
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel
+    from torch.utils.data import DataLoader, TensorDataset
+
+    rank = int(os.environ["RANK"])
+    dist.init_process_group(
+        "gloo", store=store, rank=rank, world_size=2, timeout=datetime.timedelta(seconds=6)
+    )
+    try:
+        torch.manual_seed(0)
+        net = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.BatchNorm1d(4))
+        model = DistributedDataParallel(net)
+        data = TensorDataset(torch.randn(5, 3), torch.zeros(5).long())
+        # the unpadded split a user writes to count every sample once: 3 and 2 batches
+        indices = [0, 1, 2] if rank == 0 else [3, 4]
+        loader = DataLoader(torch.utils.data.Subset(data, indices), batch_size=1)
+        model.eval()
+        start = time.monotonic()
+        try:
+            for x, _ in loader:
+                model(x).sum().detach()  # grad enabled: each forward broadcasts buffers
+            dist.barrier()
+        except RuntimeError as exc:
+            return f"{time.monotonic() - start:.0f}s {str(exc).splitlines()[0][:120]}"
+        return "finished"
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.slow
+def test_plain_torch_gives_the_same_validation_loop_only_a_timeout():
+    # issue 23 §6 under plain torch: no cause named, only gloo's timeout after the full wait
+    # (6 s here, 30 minutes by default)
+    results = run_distributed(
+        _plain_torch_grad_enabled_validation, 2, init=False, timeout_s=60
+    )
+    assert any("Timed out" in r or "timed out" in r for r in results), results
+    assert not any("uneven" in r or "no_grad" in r for r in results), results

@@ -87,3 +87,30 @@ def _is_worker(pid: int) -> bool:
         return b"ddpkit.launch.worker" in Path(f"/proc/{pid}/cmdline").read_bytes()
     except OSError:
         return False
+
+
+def test_a_plain_loop_is_refused_in_one_line_with_live_fault_tolerance(tmp_path):
+    # the README's loop steps its optimizer itself: under live fault tolerance nothing would
+    # all-reduce its gradients (no DDP wrapper), so its first forward is refused, naming the fix
+    from tests.e2e.test_readme_example import readme_example
+
+    (tmp_path / "train.py").write_text(readme_example())
+    result = run_cli(
+        ["-m", "ddpkit", "run", "-n", "2", "--fault-tolerance", "live", "--max-restarts", "0",
+         "train.py"], env={"EPOCHS": "1"}, cwd=str(tmp_path), timeout_s=200,
+    )  # fmt: skip
+    assert result.returncode == 1, result.output
+    assert "LiveModelError: live fault tolerance: this model's gradients are all-reduced by " \
+        "ddpkit.TrainStep" in result.output, result.output  # fmt: skip
+    assert "job FAILED: no live member is left to go on" in result.output.splitlines()[-1]
+
+
+def test_live_under_plain_torchrun_is_refused_in_one_line(tmp_path):
+    (tmp_path / "live_train.py").write_text(doc_loop())
+    result = run_cli(
+        ["-m", "torch.distributed.run", "--nproc-per-node", "2", "live_train.py"],
+        env={"EPOCHS": "1", "DDPKIT_FAULT_TOLERANCE": "live"}, cwd=str(tmp_path), timeout_s=200,
+    )  # fmt: skip
+    assert result.returncode != 0, result.output
+    assert "fault_tolerance='live' needs its launcher: start the job with ddpkit run " \
+        "--fault-tolerance live" in result.output, result.output  # fmt: skip

@@ -231,3 +231,19 @@ def test_a_worker_hung_in_its_own_code_is_ended_after_the_timeouts(job_dir):
     finals = job.finals()
     _same_replicas(finals, len(finals), output)
     assert {f["pid"] for f in finals} >= {slots[0], slots[2]}, output
+
+
+def test_a_stop_signal_to_every_worker_at_once_is_a_stop_with_a_checkpoint(job_dir):
+    # Slurm's preemption signals every process of the job: the members whose leave lands in
+    # one vote with the others' leave together = the job stops (those ahead may leave first)
+    job = LiveJob(job_dir, 3, env={"STEP_S": "0.02", "EPOCHS": "40"})
+    job.wait_for_step(10)
+    for pid in job.slots().values():
+        os.kill(pid, signal.SIGTERM)
+    output = job.finish()
+    line = output.strip().splitlines()[-1]
+    assert job.proc.returncode == 143, output
+    step = int(line.split("after step ")[1].split(";")[0])
+    assert line.startswith(f"ddpkit run: stopped by SIGTERM after step {step}"), output
+    assert (job_dir / "checkpoints" / f"step-{step:08d}").is_dir(), output
+    assert "job FAILED" not in output, output

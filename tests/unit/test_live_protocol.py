@@ -10,7 +10,8 @@ import torch.distributed as dist
 
 from ddpkit.errors import DistributedError
 from ddpkit.live.lighthouse import Lighthouse
-from ddpkit.live.membership import LiveMembership, RefusedError, is_lost_peer
+from ddpkit.live.membership import LiveMembership
+from ddpkit.live.outcomes import RefusedError, is_lost_peer
 from ddpkit.live.protocol import DEAD, Quorum, Vote, decide, key, next_quorum, slot_of
 
 
@@ -105,12 +106,45 @@ def test_the_lighthouse_forms_quorums_from_exits_heartbeats_and_admissions(store
     [admitted] = lighthouse.tick(now=8.5)
     assert admitted.quorum == Quorum(3, ("s0-a", "s1-c"), ("s1-c",), "1 replacement(s) taken in")
     assert lighthouse.status.latest == 3 and lighthouse.status.waiting == 0
+    store.set(key("healed", "s1-c"), "1")  # its formation committed: a member from now on
     lighthouse.exited("s0-a", -9)
     events = lighthouse.tick(now=9.0)
     assert (events[0].kind, events[0].why, events[0].kill) == ("dead", "died (SIGKILL)", False)
     assert events[-1].quorum.members == ("s1-c",)
-    lighthouse.exited("s1-c", 0)  # ran to its end: no quorum change, nothing declared
-    assert lighthouse.tick(now=9.5) == [] and lighthouse.finished("s1-c")
+    lighthouse.exited("s1-c", 0)  # ran to its end: the last member finished, the job is done
+    events = lighthouse.tick(now=9.5)
+    assert [e.kind for e in events] == ["finished", "done"] and lighthouse.finished("s1-c")
+
+
+def test_a_replacement_whose_heal_did_not_commit_is_taken_in_again_not_kept(store):
+    lighthouse = Lighthouse(store, 2)
+    for slot, replica in enumerate(("s0-a", "s1-b")):
+        lighthouse.add(replica, slot)
+        _register(store, replica, slot)
+    lighthouse.tick(now=0.0)
+    lighthouse.add("s2-j", 2)
+    store.set(key("ready", "s2-j"), "1")
+    store.set(key("admit", 1), "1")
+    [taken] = lighthouse.tick(now=1.0)
+    assert taken.quorum.joiners == ("s2-j",)
+    lighthouse.exited("s1-b", -9)  # a survivor lost while s2-j was being healed
+    events = lighthouse.tick(now=2.0)
+    assert events[-1].quorum.members == ("s0-a",)  # not s2-j: it never got the state
+    assert lighthouse.tick(now=2.5) == []
+    assert lighthouse.status.waiting == 1  # still ready: the members take it in at a step
+    store.set(key("admit", 3), "1")
+    [again] = lighthouse.tick(now=3.0)
+    assert (again.quorum.members, again.quorum.joiners) == (("s0-a", "s2-j"), ("s2-j",))
+
+
+def test_a_worker_that_fails_before_the_first_quorum_ends_the_job(store):
+    lighthouse = Lighthouse(store, 2)
+    lighthouse.add("s0-a", 0)
+    lighthouse.add("s1-b", 1)
+    _register(store, "s0-a", 0)
+    lighthouse.exited("s1-b", 1)
+    [event] = lighthouse.tick(now=0.0)
+    assert (event.kind, event.why) == ("empty", "slot 1 exited with status 1 before the job started")
 
 
 def test_the_last_member_gone_is_an_empty_event(store):

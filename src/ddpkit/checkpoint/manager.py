@@ -381,15 +381,6 @@ class CheckpointManager:
                 the process with status 128 + the signal number.
         """
         if self.runtime.stop_requested():
-            live = self.runtime.live
-            if live is not None and live.left:  # its own signal: the others go on, no save
-                newest = self._newest[1] if self._newest else None
-                stop = self.runtime.stop
-                assert stop is not None and stop.agreed is not None
-                return_signal = stop.agreed
-                raise TrainingStopped(
-                    return_signal, step=step, checkpoint=newest, saved=False, here=True
-                )
             raise self._stopped(step)
         if self.every_steps and step % self.every_steps == 0 and self._is_new(step):
             return self.save(step)
@@ -545,10 +536,10 @@ class CheckpointManager:
             "newest": None if self._newest is None else [self._newest[0], str(self._newest[1])],
         }
 
-    def _healed(self, payload: dict[str, Any], rng_by_rank: list[Any]) -> None:
-        """Live fault tolerance, on a replacement: load the state a live peer sent (as
-        :meth:`_restore` loads a checkpoint), and RNG states as a resume on another world size
-        sets them (from the survivors', :mod:`ddpkit.checkpoint.rng`)."""
+    def _healed(self, payload: dict[str, Any], rng_by_rank: list[Any], rank: int) -> None:
+        """Live fault tolerance, on a replacement taking ``rank``: load the state a live peer
+        sent (as :meth:`_restore` loads a checkpoint), and RNG states as a resume on another
+        world size sets them (from the survivors', :mod:`ddpkit.checkpoint.rng`)."""
         managed, saved = self._managed("heal"), payload["state"]
         check_saved_state(Path("(a live peer)"), saved, managed)
         loaders = [n for n, obj in managed.items() if isinstance(obj, ShardedLoader)]
@@ -560,10 +551,8 @@ class CheckpointManager:
         for name in managed:
             if name not in loaders + modules:
                 managed[name].load_state_dict(saved[name])
-        survivors = [r for r in rng_by_rank if r is not None]
-        restore_rng_state(
-            survivors, self.runtime.rank, len(rng_by_rank), step=int(payload["step"])
-        )
+        survivors = [r for r in rng_by_rank if r is not None]  # by rank: survivors come first
+        restore_rng_state(survivors, rank, len(rng_by_rank), step=int(payload["step"]))
         if payload["newest"] is not None:
             self._newest = (int(payload["newest"][0]), Path(payload["newest"][1]))
         assert self.runtime.live is not None

@@ -30,10 +30,10 @@ from ddpkit.app.mnist.resume import (
 )
 from ddpkit.checkpoint.manager import check_compatible
 from ddpkit.cli.flags import add_settings_arguments, given_settings
+from ddpkit.cli.run import LIVE_MAX_RESTARTS
 from ddpkit.distributed.env import detect_process_info
 from ddpkit.distributed.stop import TrainingStopped, parse_stop_signals
 from ddpkit.files import make_output_folder
-from ddpkit.cli.run import LIVE_MAX_RESTARTS
 from ddpkit.launch.launcher import LaunchSpec, launch
 from ddpkit.settings import read_toml, to_toml
 

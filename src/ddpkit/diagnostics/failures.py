@@ -167,6 +167,17 @@ def read_records(run_dir: str | os.PathLike[str]) -> list[FailureRecord]:
     return sorted(_read(run_dir, "failure-*.json", FailureRecord), key=lambda r: r.time_s)
 
 
+def remove_records(run_dir: str | os.PathLike[str], pid: int) -> None:
+    """Remove the failure records of process ``pid`` (live fault tolerance: a failure the job
+    survived is not its outcome)."""
+    for path in Path(run_dir).glob("failure-*.json"):
+        try:
+            if json.loads(path.read_text()).get("pid") == pid:
+                path.unlink()
+        except (OSError, ValueError):
+            continue
+
+
 @dataclass(frozen=True)
 class StopRecord:
     """What one worker wrote when it stopped on a signal (:class:`ddpkit.TrainingStopped`).

@@ -40,6 +40,7 @@ from ddpkit.diagnostics.failures import (
 )
 from ddpkit.distributed.env import ProcessInfo, detect_process_info, slurm_rendezvous_defaults
 from ddpkit.distributed.hashseed import warn_if_str_hashes_differ
+from ddpkit.distributed.peers import PEER_ENDED, mentions
 from ddpkit.distributed.rendezvous import (
     check_local_route,
     check_world_size_limit,
@@ -51,9 +52,9 @@ from ddpkit.distributed.stop import StopRequest, TrainingStopped, default_stop_s
 from ddpkit.distributed.watchdog import Watchdog
 from ddpkit.errors import ConfigError, DistributedError
 from ddpkit.live.membership import LiveMembership
-from ddpkit.log import follow_rank_change
 from ddpkit.live.protocol import Quorum
 from ddpkit.live.start import join_live, wants_live
+from ddpkit.log import follow_rank_change
 from ddpkit.security.token import load_token
 
 BACKENDS = ("auto", "gloo", "nccl")
@@ -194,7 +195,7 @@ class Runtime:
             try:
                 yield
             except RuntimeError as exc:
-                if not any(marker in str(exc) for marker in _LOST_PEER):
+                if not mentions(str(exc)):
                     raise
                 raise self._lost_peer_error(op, exc) from exc
 
@@ -236,7 +237,7 @@ class Runtime:
             if self.watchdog is not None
             else "turn the watchdog on (init_runtime's defaults) to learn which rank went silent"
         )
-        if any(marker in detail for marker in _PEER_ENDED):
+        if mentions(detail, PEER_ENDED):
             from ddpkit.distributed.position import collective_in_traceback
 
             mine = collective_in_traceback(exc) or op
@@ -308,8 +309,10 @@ class Runtime:
     def __exit__(self, exc_type: object, exc: BaseException | None, tb: object) -> None:
         if isinstance(exc, TrainingStopped):
             _report_stop(exc, self)
-        if exc is not None and not isinstance(
-            exc, TrainingStopped
+        if (
+            exc is not None
+            and not isinstance(exc, TrainingStopped)
+            and not getattr(exc, "left_job", False)  # live: left on its own signal
         ):  # before the teardown that makes the peers fail
             from ddpkit.diagnostics.translate import add_hint_note
 
@@ -332,14 +335,6 @@ def _report_stop(stopped: TrainingStopped, runtime: Runtime) -> None:
 
 
 _NULL_CONTEXT = contextlib.nullcontext()
-# gloo's words for a peer that is gone or silent
-_LOST_PEER = (
-    "Timed out waiting",
-    "Connection closed by peer",
-    "Connection reset by peer",
-    "Broken pipe",
-)
-_PEER_ENDED = ("Connection closed by peer", "Connection reset by peer")  # its socket closed
 
 
 def _check_timeouts(**timeouts_s: float | None) -> None:
@@ -428,7 +423,9 @@ def init_runtime(
             every rank, which resume from the newest checkpoint) or ``"live"`` (the survivors
             keep training and a replacement heals from them; needs ``ddpkit run
             --fault-tolerance live``, see :mod:`ddpkit.live`). ``None``: what the launcher
-            says (``DDPKIT_FAULT_TOLERANCE``), else ``"restart"``.
+            says (``DDPKIT_FAULT_TOLERANCE``), else ``"restart"``. Live has no watchdog: a
+            collective there times out after ``min(train_timeout_s, stall_timeout_s)``, and a
+            member that hung is then ended by the launcher.
 
     Returns:
         A :class:`Runtime`; close it (or use ``with``) to destroy the groups.
@@ -461,7 +458,8 @@ def init_runtime(
     signals = default_stop_signals() if stop_signals is None else tuple(stop_signals)
     stop = StopRequest(signals)  # a bad signal: an error now, before the rendezvous
     if live:
-        return start_live(info, chosen, device, init_timeout_s, train_timeout_s, stop)
+        cap = min(train_timeout_s, stall_timeout_s or train_timeout_s)  # no watchdog in live
+        return start_live(info, chosen, device, init_timeout_s, cap, stop)
     if not info.is_distributed:
         runtime = Runtime(info, device=device, train_timeout_s=float(train_timeout_s))
         runtime.stop = stop if stop.install() else None

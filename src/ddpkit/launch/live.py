@@ -27,16 +27,16 @@ import time
 import uuid
 from dataclasses import dataclass, field
 
-from ddpkit.diagnostics.failures import read_records
+from ddpkit.diagnostics.failures import read_records, read_stop_records, remove_records
 from ddpkit.errors import ConfigError
 from ddpkit.launch.launcher import LaunchSpec, _preflight, _worker_environment
 from ddpkit.launch.network import host_rendezvous_store
-from ddpkit.launch.spare import PRELOAD_ENV, SPARE_ENV
-from ddpkit.launch.stopping import stop_line
+from ddpkit.launch.spare import PRELOAD_ENV, SPARE_ENV, slot_environment
+from ddpkit.launch.stopping import stop_line, stopped_by_workers
 from ddpkit.launch.summary import summarize_failure
 from ddpkit.live.lighthouse import Event, Lighthouse
-from ddpkit.live.protocol import REPLICA_ENV, SLOT_ENV, STORE_ENV, key
-from ddpkit.live.start import MODE_ENV, ROLE_ENV
+from ddpkit.live.protocol import STORE_ENV, key
+from ddpkit.live.start import MODE_ENV
 
 TICK_S = 0.05
 
@@ -59,8 +59,8 @@ class WorkerPool:
         spec: the launch; env: every process's environment; store: the coordination store.
     """
 
-    def __init__(self, spec: LaunchSpec, env: dict[str, str], store: object) -> None:
-        self.spec, self.env, self.store = spec, env, store
+    def __init__(self, spec: LaunchSpec, env: dict[str, str], store: object, run_dir: str) -> None:
+        self.spec, self.env, self.store, self.run_dir = spec, env, store, run_dir
         self.workers: dict[str, _Process] = {}
         self.spares: dict[str, _Process] = {}
         self.replacements = 0
@@ -76,7 +76,7 @@ class WorkerPool:
     def start(self, slot: int, role: str) -> str:
         """Start a worker for ``slot`` (``role``: ``initial`` or ``replacement``); its id."""
         replica = f"s{slot}-{uuid.uuid4().hex}"
-        extra = _slot_env(slot, self.spec.nproc, replica, role)
+        extra = slot_environment(slot, self.spec.nproc, replica, role)
         self.workers[replica] = _Process(self._popen("ddpkit.launch.worker", extra), slot, replica)
         return replica
 
@@ -99,6 +99,16 @@ class WorkerPool:
             return replica
         return None
 
+    def take_errors(self, replica: str) -> str:
+        """The exception a worker recorded before it died (``Type: message``), its record
+        removed: the job survived it, so the final summary must not name it as the failure."""
+        proc = self.workers.get(replica)
+        if proc is None:
+            return ""
+        found = [r for r in read_records(self.run_dir) if r.pid == proc.popen.pid]
+        remove_records(self.run_dir, proc.popen.pid)
+        return "; ".join(f"{r.type}: {r.message}"[:200] for r in found)
+
     def exits(self) -> list[tuple[str, int]]:
         """Workers that ended since the last call: ``(replica, exit code)``."""
         ended = []
@@ -113,13 +123,12 @@ class WorkerPool:
 
     def kill(self, replica: str) -> None:
         proc = self.workers.get(replica)
-        if proc is not None and proc.popen.poll() is None:
-            proc.popen.kill()
+        if proc is not None:
+            _kill_session(proc.popen)
 
     def kill_all(self) -> None:
         for proc in [*self.workers.values(), *self.spares.values()]:
-            if proc.popen.poll() is None:
-                proc.popen.kill()
+            _kill_session(proc.popen)
         for proc in [*self.workers.values(), *self.spares.values()]:
             try:
                 proc.popen.wait(timeout=10)
@@ -127,16 +136,13 @@ class WorkerPool:
                 pass
 
 
-def _slot_env(slot: int, nproc: int, replica: str, role: str) -> dict[str, str]:
-    return {
-        REPLICA_ENV: replica,
-        SLOT_ENV: str(slot),
-        ROLE_ENV: role,
-        "RANK": str(slot),
-        "LOCAL_RANK": str(slot),
-        "WORLD_SIZE": str(nproc),
-        "LOCAL_WORLD_SIZE": str(nproc),
-    }
+def _kill_session(popen: subprocess.Popen) -> None:
+    """SIGKILL a worker and everything it started (its data-loader workers): it leads a
+    session of its own, so its process group is its pid."""
+    try:
+        os.killpg(popen.pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
 
 
 def check_live_spec(spec: LaunchSpec) -> None:
@@ -186,7 +192,7 @@ def launch_live(spec: LaunchSpec) -> int:
         MODE_ENV: "live",
         PRELOAD_ENV: ",".join(spec.preload),
     }
-    pool = WorkerPool(spec, env, store)
+    pool = WorkerPool(spec, env, store, run_dir)
     lighthouse = Lighthouse(store, spec.nproc, heartbeat_timeout_s=spec.heartbeat_timeout_s)
     stop = _StopSignals(spec.stop_signals)
     try:
@@ -208,6 +214,7 @@ class _StopSignals:
     def __init__(self, signals: tuple[signal.Signals, ...]) -> None:
         self.received: signal.Signals | None = None
         self.count = 0
+        self.members = 0  # the members when it arrived (the stop line counts them)
         self._previous = {sig: signal.signal(sig, self._handle) for sig in signals}
 
     def _handle(self, signum: int, frame: object) -> None:
@@ -232,16 +239,19 @@ def _watch(
         for event in lighthouse.tick():
             if event.kind == "empty":
                 return _no_member_left(spec, pool, lighthouse, run_dir, event, say)
-            _act(event, spec, pool, lighthouse, say)
+            _act(event, spec, pool, lighthouse, say, stopping=stop.received is not None)
         if stop.received is not None and stop_deadline is None:
             lighthouse.stop_job(stop.received.name)
             stop_deadline = time.monotonic() + spec.grace_period_s
+            stop.members = len(lighthouse.quorum.members) if lighthouse.quorum else spec.nproc
         if stop_deadline is not None and (
             stop.count > 1 or time.monotonic() > stop_deadline
         ):  # a second signal, or the grace period is over: end it now
             pool.kill_all()
         quorum = lighthouse.quorum
-        done = quorum is not None and all(lighthouse.finished(m) for m in quorum.members)
+        done = quorum is not None and all(
+            lighthouse.finished(m) for m in quorum.members if m not in lighthouse.unhealed
+        )
         if done or not pool.running():  # replacements still waiting to join have no job left
             pool.kill_all()
             return _finish(spec, pool, lighthouse, stop, run_dir, say)
@@ -259,24 +269,39 @@ class _Say:
 
 
 def _act(
-    event: Event, spec: LaunchSpec, pool: WorkerPool, lighthouse: Lighthouse, say: _Say
+    event: Event,
+    spec: LaunchSpec,
+    pool: WorkerPool,
+    lighthouse: Lighthouse,
+    say: _Say,
+    *,
+    stopping: bool,
 ) -> None:
-    """Say what happened; end a worker declared dead; refill its slot."""
+    """Say what happened; end a worker declared dead; refill its slot (not once the job is
+    stopping on a signal)."""
     if event.kind == "quorum":
         quorum = event.quorum
         assert quorum is not None
-        if quorum.number > 1:
+        if quorum.number > 1 and not event.quiet:
             slots = [lighthouse.replicas[m].slot for m in quorum.members]
             say(f"quorum {quorum.number}: slots {slots} (world size {len(slots)}); {quorum.reason}")
         return
+    if event.kind not in ("dead", "left"):
+        return  # a member that finished: nothing to say, nothing to refill
     slot = lighthouse.replicas[event.replica].slot
     if event.kill:
         pool.kill(event.replica)
     say(f"slot {slot} {event.why}" if event.kind == "dead" else f"slot {slot} left ({event.why})")
-    _refill(slot, spec, pool, lighthouse, say)
+    errors = pool.take_errors(event.replica)
+    if errors:
+        lighthouse.history[-1] += f" ({errors})"
+    if not stopping:
+        _refill(slot, spec, pool, lighthouse, say)
 
 
-def _refill(slot: int, spec: LaunchSpec, pool: WorkerPool, lighthouse: Lighthouse, say: _Say) -> None:
+def _refill(
+    slot: int, spec: LaunchSpec, pool: WorkerPool, lighthouse: Lighthouse, say: _Say
+) -> None:
     """A warm spare for ``slot``, else a new process while replacements are left."""
     replica = pool.activate_spare(slot)
     if replica is not None:
@@ -331,13 +356,21 @@ def _finish(
 ) -> int:
     """Every worker ended: the job's outcome, one line."""
     members = lighthouse.quorum.members if lighthouse.quorum else ()
-    codes = [pool.workers[m].exit_code for m in members if m in pool.workers]
+    codes = [pool.workers[m].popen.poll() for m in members if m in pool.workers]
     if stop.received is not None:
-        final = dataclasses.replace(spec, nproc=max(len(members), 1))
+        final = dataclasses.replace(spec, nproc=max(stop.members, 1))
         line, code = stop_line(final, run_dir, stop.received)
         print(line, file=sys.stderr, flush=True)
         return code
     if codes and all(c == 0 for c in codes):
+        if stopped_by_workers(run_dir):  # every member got a stop signal of its own at once
+            final = dataclasses.replace(spec, nproc=len(read_stop_records(run_dir)))
+            line, code = stop_line(final, run_dir, None)
+            print(line, file=sys.stderr, flush=True)
+            return code
+        if lighthouse.history:  # a job that lost ranks on the way: say so at the end
+            say(f"completed; {len(lighthouse.history)} failure(s) survived: "
+                f"{'; '.join(lighthouse.history)}")  # fmt: skip
         return 0
     records = read_records(run_dir)
     for line in summarize_failure(records, {}, spec)[:-1] if records else []:

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import os
-import sys
 import time
 
 SPARE_ENV = "DDPKIT_LIVE_SPARE"
@@ -34,6 +33,17 @@ def _warm_up() -> None:
         importlib.import_module(name)
 
 
+def slot_environment(slot: int, nproc: int, replica: str, role: str) -> dict[str, str]:
+    """The variables of the worker that fills ``slot`` (as ``replica``, in ``role``)."""
+    from ddpkit.live.protocol import REPLICA_ENV, SLOT_ENV
+    from ddpkit.live.start import ROLE_ENV
+
+    return {
+        REPLICA_ENV: replica, SLOT_ENV: str(slot), ROLE_ENV: role, "RANK": str(slot),
+        "LOCAL_RANK": str(slot), "WORLD_SIZE": str(nproc), "LOCAL_WORLD_SIZE": str(nproc),
+    }  # fmt: skip
+
+
 def main() -> None:
     from ddpkit.launch.worker import die_with_launcher
 
@@ -41,8 +51,7 @@ def main() -> None:
     _warm_up()
     import torch.distributed as dist
 
-    from ddpkit.live.protocol import REPLICA_ENV, SLOT_ENV, STORE_ENV, key
-    from ddpkit.live.start import ROLE_ENV
+    from ddpkit.live.protocol import STORE_ENV, key
 
     host, _, port = os.environ[STORE_ENV].rpartition(":")
     store = dist.TCPStore(host, int(port), is_master=False)
@@ -50,12 +59,9 @@ def main() -> None:
     while not store.check([name]):
         time.sleep(POLL_S)
     record = json.loads(store.get(name))
-    slot = str(record["slot"])
-    os.environ.update({
-        REPLICA_ENV: record["replica"], SLOT_ENV: slot, ROLE_ENV: "replacement",
-        "RANK": slot, "LOCAL_RANK": slot,
-        "WORLD_SIZE": str(record["nproc"]), "LOCAL_WORLD_SIZE": str(record["nproc"]),
-    })  # fmt: skip
+    os.environ.update(
+        slot_environment(record["slot"], record["nproc"], record["replica"], "replacement")
+    )
     del store
     from ddpkit.launch import worker
 

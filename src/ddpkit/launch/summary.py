@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from ddpkit.diagnostics.failures import FailureRecord
+from ddpkit.distributed.peers import LOST_PEER
 from ddpkit.distributed.position import short_path
 
 if TYPE_CHECKING:
@@ -25,7 +26,7 @@ WATCHDOG_TYPES = ("StallError", "DeadlockError")
 _GLOO_MISMATCH = re.compile(
     r"op\.preamble\.length <= op\.nbytes\. (\d+) vs (\d+)\. Received data size doesn't match"
 )
-_LOST_PEER = ("Connection reset by peer", "Connection closed by peer", "Broken pipe", "Timed out")
+_LOST_PEER = (*LOST_PEER, "Timed out")  # and ddpkit's own "timed out" lines
 _FRAME = re.compile(r'^\s*File "(?P<file>[^"]+)", line (?P<line>\d+) in (?P<func>\S+)')
 _LIBRARY = ("/torch/", "/ddpkit/", "<frozen", "/threading.py", "/runpy.py")
 

@@ -142,6 +142,8 @@ def run_target(argv: list[str]) -> int:
     except TrainingStopped as exc:  # every rank stopped at one step: the launcher says it once
         return _stopped(exc)
     except SystemExit as exc:
+        if getattr(exc, "left_job", False):  # live: it left on its own signal, the job goes on
+            return 0
         code = _exit_code(exc)
         if code != 0:
             _record_failure(exc, show_traceback=False)

@@ -22,7 +22,7 @@ import torch.distributed as dist
 
 from ddpkit.live.protocol import HEARTBEAT_S, Quorum, Status, key, next_quorum
 
-#: a member whose heartbeat has not moved for this long is declared dead (10 periods)
+#: a member whose heartbeat has not moved for this long is declared dead (20 periods)
 HEARTBEAT_TIMEOUT_S = 20 * HEARTBEAT_S
 #: a failed operation with nobody dead: the quorum is formed again after this long
 FAILED_GRACE_S = 1.0
@@ -54,8 +54,10 @@ class Event:
 
     Attributes:
         kind: ``"dead"`` (``replica`` declared dead; ``kill`` it if its process still runs),
-            ``"left"`` (it left on its own stop signal), ``"quorum"`` (``quorum`` published),
-            ``"empty"`` (no member is left: the job cannot go on).
+            ``"finished"`` (it ran its script to the end), ``"left"`` (it left on its own stop
+            signal), ``"quorum"`` (``quorum`` published), ``"empty"`` (no member can go on:
+            the job fails), ``"done"`` (every member finished).
+        quiet: nothing worth a line (a quorum that only drops members that finished).
     """
 
     kind: str
@@ -63,10 +65,26 @@ class Event:
     why: str = ""
     kill: bool = False
     quorum: Quorum | None = None
+    quiet: bool = False
 
 
 class Lighthouse:
     """Declares workers dead and publishes quorums in the job's coordination store.
+
+    Rules (each quorum: the previous one's members still alive, in their order, then the
+    replacements taken in):
+
+    - a worker whose process ended with a non-zero status (or a signal), whose heartbeat stopped
+      for ``heartbeat_timeout_s``, or whom its peers reported hung, is declared dead (a store
+      key its peers read; the launcher kills it if it still runs);
+    - one that left on its own stop signal, or ran its script to the end (exit 0), leaves the
+      next quorum (a finished one gets the dead key too, so its peers stop waiting for its
+      vote, but no replacement and no event line);
+    - ready replacements are taken in only when the members ask (``admit/<q>``: they are at a
+      step boundary), and count as members only once they confirm their heal (``healed/<id>``):
+      a quorum formed before that (a survivor lost during the heal) leaves them out, and they
+      are taken in again at a later step;
+    - an initial worker that ends before the first quorum ends the job (``empty``).
 
     Args:
         store: the store the launcher hosts.
@@ -87,8 +105,11 @@ class Lighthouse:
         self.replicas: dict[str, Replica] = {}
         self.quorum: Quorum | None = None
         self.left: set[str] = set()
+        self.unhealed: set[str] = set()  # taken in, heal not confirmed yet
+        self.history: list[str] = []  # every failure survived, as the event lines said it
         self._failed_seen_at: float | None = None
-        self._pending_reason: list[str] = []
+        self._reasons: list[str] = []
+        self._loud = False  # a reason worth a line (not only members that finished)
         self.status = Status()
         self.store.set(key("status"), self.status.encode())
 
@@ -112,57 +133,64 @@ class Lighthouse:
             self.store.set(key("status"), status.encode())
 
     def members_alive(self) -> list[str]:
-        """Members of the current quorum that are neither dead nor gone."""
+        """Members of the current quorum that can go on (alive, healed, not leaving)."""
         if self.quorum is None:
             return []
-        return [m for m in self.quorum.members if self._usable(m)]
+        return [m for m in self.quorum.members if self._usable(m) and m not in self.unhealed]
 
     def _usable(self, replica: str) -> bool:
         info = self.replicas.get(replica)
         return info is not None and info.alive and not info.dead_why and replica not in self.left
 
+    def finished(self, replica: str) -> bool:
+        """The worker ran its script to the end (exit status 0, not leaving on its own signal).
+        """
+        info = self.replicas[replica]
+        return info.exit_code == 0 and replica not in self.left
+
     def tick(self, now: float | None = None) -> list[Event]:
         """Look at heartbeats, exits, leave requests, failures and ready replacements; declare
-        the dead and publish the next quorum when anything changed. Returns what it did."""
+        the dead and publish the next quorum when anything changed. Returns what it did:
+        ``dead``/``left`` events, a ``quorum``, and ``empty`` (no member can go on, and not
+        because all finished) or ``done`` (every member finished)."""
         now = time.monotonic() if now is None else now
         if self.quorum is None:
             return self._first_quorum()
-        events = self._find_dead(now) + self._find_left()
+        events = self._find_dead(now)
+        self.unhealed = {r for r in self.unhealed if not self.store.check([key("healed", r)])}
+        members = self.quorum.members
         ready = [
-            r
-            for r, info in self.replicas.items()
-            if r not in self.quorum.members and self._usable(r)
+            r for r, _ in self.replicas.items()
+            if (r not in members or r in self.unhealed) and self._usable(r)
             and self.store.check([key("ready", r)])
         ]  # fmt: skip
-        self._set_status(waiting=len(ready))
+        self._set_status(waiting=len([r for r in ready if r not in members]))
         admit = self.store.check([key("admit", self.quorum.number)])
-        ready = ready if admit else []  # taken in only at a step boundary (the members ask)
-        gone = [m for m in self.quorum.members if not self._usable(m) and not self.finished(m)]
+        gone = [m for m in members if not self._usable(m)]
         failed = self._failed_without_death(now, gone)
         if not (gone or admit or failed):
             return events
         alive = self.members_alive()
-        if not alive:  # nobody can heal the replacements: the job cannot go on
-            return [*events, Event("empty", why="; ".join(self._pending_reason))]
-        reasons = self._pending_reason + (
-            [f"{len(ready)} replacement(s) taken in"] if ready else []
-        ) + (["an operation failed"] if failed else [])  # fmt: skip
-        quorum = next_quorum(self.quorum, alive, sorted(ready, key=self._slot), "; ".join(reasons))
+        if not alive:
+            finished = all(self.finished(m) for m in members if m not in self.unhealed)
+            return [*events, Event("done" if finished else "empty", why="; ".join(self._reasons))]
+        joining = sorted(ready, key=self._slot) if admit else []  # only at a step boundary
+        reasons = self._reasons + ([f"{len(joining)} replacement(s) taken in"] if joining else [])
+        reasons += ["an operation failed"] if failed else []
+        quorum = next_quorum(self.quorum, alive, joining, "; ".join(reasons))
         assert quorum is not None
+        loud = self._loud or bool(joining) or failed
         self._publish(quorum)
-        self._pending_reason = []
-        return [*events, Event("quorum", quorum=quorum)]
-
-    def finished(self, replica: str) -> bool:
-        """The worker ran its script to the end (exit status 0, no stop signal of its own): no
-        quorum change for it (its peers are finishing too), no replacement."""
-        info = self.replicas[replica]
-        return info.exit_code == 0 and replica not in self.left and not info.dead_why
+        return [*events, Event("quorum", quorum=quorum, quiet=not loud)]
 
     def _slot(self, replica: str) -> int:
         return self.replicas[replica].slot
 
     def _first_quorum(self) -> list[Event]:
+        for info in self.replicas.values():
+            if not info.alive:  # a start-up failure ends the job, as torchrun's would
+                why = f"slot {info.slot} {_exit_words(info.exit_code)} before the job started"
+                return [Event("empty", why=why)]
         registered = [r for r in self.replicas if self.store.check([key("replica", r)])]
         if len(registered) < self.num_initial:
             return []
@@ -176,31 +204,38 @@ class Lighthouse:
         self.store.set(key("quorum", quorum.number), quorum.encode())
         self.store.add(key("quorum", "latest"), 1)
         self.quorum = quorum
+        self.unhealed |= set(quorum.joiners)
         self._failed_seen_at = None
+        self._reasons, self._loud = [], False
         waiting = self.status.waiting - len(quorum.joiners)
         self._set_status(latest=quorum.number, waiting=max(waiting, 0))
 
-    def declare_dead(self, replica: str, why: str) -> Event:
-        """Record ``replica`` as dead (its peers stop waiting for it; it may never rejoin)."""
+    def declare_dead(self, replica: str, why: str, *, quiet: bool = False) -> Event:
+        """Record ``replica`` as dead (its peers stop waiting for it; it may never rejoin);
+        ``quiet``: it finished its script (no line, no replacement)."""
         info = self.replicas[replica]
         info.dead_why = why
         self.store.set(key("dead", replica), why)
-        self._pending_reason.append(f"slot {info.slot} {why}")
-        return Event("dead", replica, why, kill=info.alive)
+        self._reasons.append(f"slot {info.slot} {why}")
+        if not quiet:
+            self._loud = True
+            self.history.append(f"slot {info.slot} {why}")
+        return Event("finished" if quiet else "dead", replica, why, kill=info.alive)
 
     def _find_dead(self, now: float) -> list[Event]:
+        """Exits (died, left on its own signal, or finished), silent and hung workers."""
         assert self.quorum is not None
         events = []
         watched = [r for r, i in self.replicas.items() if not i.dead_why and r not in self.left]
         for replica in watched:
             info = self.replicas[replica]
-            if not info.alive:
-                if info.exit_code == 0:
-                    continue  # finished, or left on its own signal (_find_left says so)
-                events.append(self.declare_dead(replica, _exit_words(info.exit_code)))
-                continue
-            why = self._silent(info, now) or self._suspected(replica)
-            if why:
+            if not info.alive and info.exit_code == 0 and self.store.check([key("leave", replica)]):
+                events.append(self._left(replica))  # its leave was agreed; it is gone now
+            elif not info.alive:
+                finished = info.exit_code == 0
+                why = "finished its script (exit 0)" if finished else _exit_words(info.exit_code)
+                events.append(self.declare_dead(replica, why, quiet=finished))
+            elif why := self._silent(info, now) or self._suspected(replica):
                 events.append(self.declare_dead(replica, why))
         return events
 
@@ -223,16 +258,14 @@ class Lighthouse:
             return f"hung (its peers waited {self.store.get(name).decode()} s for it)"
         return ""
 
-    def _find_left(self) -> list[Event]:
-        assert self.quorum is not None
-        events = []
-        for replica in self.quorum.members:
-            if replica not in self.left and self.store.check([key("leave", replica)]):
-                self.left.add(replica)
-                slot = self.replicas[replica].slot
-                self._pending_reason.append(f"slot {slot} left (its own stop signal)")
-                events.append(Event("left", replica, "its own stop signal"))
-        return events
+    def _left(self, replica: str) -> Event:
+        """``replica`` left on its own stop signal (its peers agreed, it exited 0)."""
+        self.left.add(replica)
+        slot = self.replicas[replica].slot
+        self._reasons.append(f"slot {slot} left (its own stop signal)")
+        self.history.append(f"slot {slot} left (its own stop signal)")
+        self._loud = True
+        return Event("left", replica, "its own stop signal")
 
     def _failed_without_death(self, now: float, gone: list[str]) -> bool:
         """An operation failed on a member but nobody is known dead: after a short grace (a
@@ -243,14 +276,6 @@ class Lighthouse:
         if self._failed_seen_at is None:
             self._failed_seen_at = now
         return now - self._failed_seen_at > FAILED_GRACE_S
-
-    def record(self) -> dict:
-        """What the launcher prints or keeps about the current quorum."""
-        quorum = self.quorum
-        return {
-            "quorum": quorum.number if quorum else 0,
-            "members": [self.replicas[m].slot for m in quorum.members] if quorum else [],
-        }
 
     def newest_checkpoint(self) -> str:
         """The newest checkpoint the workers reported (``""`` if none)."""

@@ -25,13 +25,21 @@ import socket
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from ddpkit.errors import ConfigError, DistributedError
+from ddpkit.errors import DistributedError
+from ddpkit.live.agreement import arrival_outcome, collect_votes
+from ddpkit.live.heal import transfer_state
+from ddpkit.live.outcomes import (
+    Attempt,
+    LeftTheJob,
+    LiveCounters,
+    RefusedError,
+    is_lost_peer,
+)
 from ddpkit.live.protocol import (
     DEAD,
     HEARTBEAT_S,
@@ -48,85 +56,6 @@ from ddpkit.log import get_logger
 
 log = get_logger("live")
 REPLACEMENT_WAIT_S = 7 * 24 * 3600.0  # a replacement waits for the members' next step
-
-# gloo's words for a collective a peer's death broke (and the store's, for a lost launcher)
-_LOST_PEER = (
-    "Connection closed by peer",
-    "Connection reset by peer",
-    "Read error",
-    "Write error",
-    "Broken pipe",
-    "Timed out waiting",
-    "Socket closed",
-    "connectFullMesh",
-    "Connection refused",
-    "a peer's process ended",
-    "a peer stopped answering",
-)
-
-
-def is_lost_peer(exc: BaseException) -> bool:
-    """Whether ``exc`` (or what caused it) is a collective broken by a peer that died or hung."""
-    seen: BaseException | None = exc
-    while seen is not None:
-        if isinstance(seen, RuntimeError) and any(m in str(seen) for m in _LOST_PEER):
-            return True
-        seen = seen.__cause__
-    return False
-
-
-class StepDiscarded(Exception):  # noqa: N818 - an outcome, not an error
-    """A training step was discarded on every member (a member died or failed during it); the
-    members have moved to the next quorum. :func:`ddpkit.train_epoch` trains its samples again.
-
-    Attributes:
-        step: the number the discarded step would have had.
-    """
-
-    def __init__(self, step: int) -> None:
-        super().__init__(f"training step {step} discarded on every member")
-        self.step = step
-
-
-class RefusedError(DistributedError):
-    """This worker was declared dead by the job (it stopped answering) and may not rejoin."""
-
-
-@dataclass
-class Attempt:
-    """One guarded operation's outcome on this member.
-
-    Attributes:
-        result: what the operation returned (``None`` when it failed here).
-        decision: the members' agreed :class:`~ddpkit.live.protocol.Decision`.
-    """
-
-    result: Any
-    decision: Decision
-
-
-@dataclass
-class LiveCounters:
-    """What live fault tolerance did in this process (for the summary and goodput).
-
-    Attributes:
-        failures: quorum changes caused by a member that died, hung or left.
-        discarded: operations discarded (training steps among them: ``discarded_steps``).
-        discarded_steps: training steps discarded (trained again after the change).
-        stall_s: seconds spent moving to new quorums (waiting, forming, healing).
-        heal_s: seconds of those spent sending or receiving state.
-        healed: replacements this process healed (as the sender) or 1 when it was healed.
-        reconfigurations: quorum changes this process went through.
-    """
-
-    failures: int = 0
-    discarded: int = 0
-    discarded_steps: int = 0
-    stall_s: float = 0.0
-    heal_s: float = 0.0
-    healed: int = 0
-    reconfigurations: int = 0
-
 
 class LiveMembership:
     """This worker's membership of a live fault-tolerant job.
@@ -177,7 +106,8 @@ class LiveMembership:
         self.step = 0  # optimizer steps committed (set by resume, counted by TrainStep)
         self.heal_source: Callable[[], dict[str, Any]] | None = None  # rank 0: the state
         self.heal_local: Callable[[], Any] | None = None  # every member: its RNG states
-        self.heal_sink: Callable[[dict[str, Any], list[Any]], None] | None = None  # load
+        self.heal_sink: Callable[[dict[str, Any], list[Any], int], None] | None = None  # load
+        self.healed = True  # False for a replacement until a quorum took it in, healed
         self.on_change: list[Callable[[Quorum], None]] = []  # loaders re-shard here
         self._depth = 0  # nesting of guarded operations (only the outermost votes)
         self._group_sockets: dict[int, str] = {}  # the current group's connections
@@ -257,64 +187,56 @@ class LiveMembership:
             time.sleep(pause)
             pause = min(pause * 2, 0.05)
 
-    def form(self, quorum: Quorum) -> bool:
-        """Build ``quorum``'s process group (collective over its members); ``False`` when a
-        newer quorum or a member's death makes it moot before it is built.
+    def form(self, quorum: Quorum) -> str:
+        """Build ``quorum``'s process group (collective over its members).
 
         Every member first counts itself in ``arrive/<q>`` and waits for the others there,
         where it can see deaths and newer quorums; only then does it enter torch's
         ``init_process_group`` (a ``PrefixStore`` per quorum), so a member lost while the
         others wait costs no timeout.
+
+        Returns:
+            ``"built"``; ``"abandon"`` (a newer quorum or a member's death made it moot before
+            any member built it: nobody votes on it); ``"failed"`` (a member was lost while the
+            group was built: this member votes ``ok=False`` on it).
         """
-        if self._outcome(quorum) != "go":
-            return False
+        if arrival_outcome(self.store, quorum, self.formation_timeout_s) != "go":
+            return "abandon"
         self.break_group()
         if dist.is_initialized():
             dist.destroy_process_group()
+        self.quorum, self.seq = quorum, 0
         before = socket_inodes()
-        prefix = dist.PrefixStore(key("pg", quorum.number) + "/", self.store)
-        dist.init_process_group(
-            self.backend,
-            store=prefix,
-            rank=quorum.rank_of(self.replica),
-            world_size=len(quorum.members),
-            timeout=datetime.timedelta(seconds=self.formation_timeout_s),
-            device_id=self.device if self.backend == "nccl" else None,
-        )
+        try:
+            dist.init_process_group(
+                self.backend,
+                store=dist.PrefixStore(key("pg", quorum.number) + "/", self.store),
+                rank=quorum.rank_of(self.replica),
+                world_size=len(quorum.members),
+                timeout=datetime.timedelta(seconds=self.formation_timeout_s),
+            )
+            # gloo's connectFullMesh may return on one member while a peer still connects: no
+            # member leaves the formation before every member is connected
+            dist.barrier()
+        except Exception as exc:  # noqa: BLE001 - a member lost while the group formed
+            self._group_sockets = new_sockets(before)
+            if not is_lost_peer(exc):
+                raise
+            self.break_group()
+            return "failed"
         group = dist.group.WORLD
         assert group is not None
-        # gloo's connectFullMesh may return on one member while a peer still connects: no
-        # member leaves the formation before every member is connected
-        dist.barrier()
         group._get_backend(self.device).set_timeout(
             datetime.timedelta(seconds=self.train_timeout_s)
         )
         self._group_sockets = new_sockets(before)
-        self.quorum, self.seq = quorum, 0
-        return True
+        return "built"
 
     def break_group(self) -> None:
         """Shut down the current group's connections (see :mod:`ddpkit.live.sockets`): it is
         being discarded, and a peer still blocked on this member must fail now."""
         shut_down(self._group_sockets)
         self._group_sockets = {}
-
-    def _outcome(self, quorum: Quorum) -> str:
-        """``"go"`` once every member arrived, ``"abandon"`` when a member died first or a
-        newer quorum exists: whichever a member writes first (``compare_set``) holds for all,
-        so no member builds a group its peers gave up on."""
-        arrive, outcome = key("arrive", quorum.number), key("outcome", quorum.number)
-        self.store.add(arrive, 1)
-        pause = 0.001
-        while True:
-            if int(self.store.add(arrive, 0)) >= len(quorum.members):
-                return self.store.compare_set(outcome, "", "go").decode()
-            if self.store.check([outcome]) or self.latest() > quorum.number or any(
-                self.store.check([key("dead", m)]) for m in quorum.members
-            ):
-                return self.store.compare_set(outcome, "", "abandon").decode()
-            time.sleep(pause)
-            pause = min(pause * 2, 0.02)
 
     # -- voting -------------------------------------------------------------------------------
 
@@ -333,7 +255,8 @@ class LiveMembership:
         assert quorum is not None, "vote() before the first quorum formed"
         seq, self.seq = self.seq, self.seq + 1
         status = self.status()
-        leave = bool(self.leave_signal and self.leave_signal()) and not status.stop
+        leave = bool(self.leave_signal and self.leave_signal())
+        leave = leave and not status.stop and not self.stop_signal  # stopping: nobody leaves
         if leave:
             self.store.set(key("leave", self.replica), "1")
         mine = Vote(
@@ -350,40 +273,12 @@ class LiveMembership:
             )
         if not ok:
             self.store.add(key("failed", quorum.number), 1)
-        votes = self._collect(quorum, seq, mine)
+        votes = collect_votes(self.store, quorum, seq, self.replica, mine, self.hang_timeout_s)
         decision = decide(quorum, votes)
         self.last_decision = decision
+        if seq >= 2:  # every member has read it: it decided seq - 1 already (bounded store)
+            self.store.delete_key(key("vote", quorum.number, seq - 2, self.replica))
         return decision
-
-    def _collect(self, quorum: Quorum, seq: int, mine: Vote) -> dict[str, Vote | None]:
-        """Every member's vote on ``seq``: waited for, or :data:`DEAD` written in for a member
-        the launcher declared dead before it voted (whoever writes first wins, atomically)."""
-        names = {m: key("vote", quorum.number, seq, m) for m in quorum.members}
-        votes: dict[str, Vote | None] = {self.replica: mine}
-        pending = [m for m in quorum.members if m != self.replica]
-        start, pause, reported = time.monotonic(), 0.0005, set()
-        while pending:
-            if self.store.check([names[m] for m in pending]):
-                for member, text in zip(
-                    pending, self.store.multi_get([names[m] for m in pending]), strict=True
-                ):
-                    votes[member] = Vote.decode(text)
-                break
-            for member in list(pending):
-                if self.store.check([names[member]]):
-                    votes[member] = Vote.decode(self.store.get(names[member]))
-                    pending.remove(member)
-                elif self.store.check([key("dead", member)]):  # DEAD unless it voted first
-                    votes[member] = Vote.decode(self.store.compare_set(names[member], "", DEAD))
-                    pending.remove(member)
-            waited = time.monotonic() - start
-            if waited > self.hang_timeout_s:
-                for member in set(pending) - reported:
-                    self.store.set(key("suspect", member), f"{waited:.0f}")
-                    reported.add(member)
-            time.sleep(pause)
-            pause = min(pause * 2, 0.02)
-        return votes
 
     # -- guarded operations -------------------------------------------------------------------
 
@@ -435,9 +330,8 @@ class LiveMembership:
         ``decision.reconfigure``. ``step``: the training step's number, for a step."""
         if self.replica in decision.leaving:
             self.left = True
-            return
-        if decision.stop and not self.stop_signal:
-            self.stop_signal = decision.stop
+            raise LeftTheJob(self.leave_signal() if self.leave_signal else "")
+        self._note_stop(decision)
         self.admit_pending = self.admit_pending or decision.admit
         what = f"training step {step}" if step else op
         if not decision.commit:
@@ -453,6 +347,14 @@ class LiveMembership:
                 self.counters.stall_s += spent
                 done = f"discarded on every member after {spent:.2f} s"
             self.reconfigure(f"{what} {done}")
+
+    def _note_stop(self, decision: Decision) -> None:
+        """The members agreed to stop: remember it (``stop_requested``), and withdraw a leave
+        request of this member's own (it stops with the others, it does not leave them)."""
+        if decision.stop and not self.stop_signal:
+            self.stop_signal = decision.stop
+            if self.store.check([key("leave", self.replica)]):
+                self.store.delete_key(key("leave", self.replica))
 
     # -- moving to the next quorum --------------------------------------------------------------
 
@@ -496,65 +398,45 @@ class LiveMembership:
         while True:
             quorum = self.wait_for_quorum(after, wait_s or self.formation_timeout_s * 5)
             after = quorum.number
-            try:
-                formed = self.form(quorum)
-            except Exception as exc:  # noqa: BLE001 - a member lost while the group formed
-                if not is_lost_peer(exc):
-                    raise
-                self.break_group()
-                formed = False
-            if not formed:
+            if not self.healed and self.replica not in quorum.joiners:
+                continue  # a replacement is a member only once healed: wait to be taken in
+            built = self.form(quorum)
+            if built == "abandon":
                 continue  # a newer quorum (the launcher knows more) is formed next
-            ok = self._heal(quorum)
+            ok = built == "built" and self._heal(quorum)
             decision = self.vote(ok, op="forming quorum")
-            if decision.commit:
-                for callback in self.on_change:
-                    callback(quorum)
-                if not decision.reconfigure:
-                    return
-                if self.replica in decision.leaving:
-                    self.left = True
-                    return
-            # a member lost while forming or healing, or already a newer quorum: go again
+            if not decision.commit:
+                continue  # a member lost while forming or healing: the next quorum
+            if not self.healed:
+                self.healed = True
+                self.store.set(key("healed", self.replica), "1")  # the launcher counts it in
+            self._note_stop(decision)
+            for callback in self.on_change:
+                callback(quorum)
+            if self.replica in decision.leaving:
+                self.left = True
+                raise LeftTheJob(self.leave_signal() if self.leave_signal else "")
+            if not decision.reconfigure:
+                return
 
     def _heal(self, quorum: Quorum) -> bool:
-        """Rank 0 (a survivor) sends the training state to the quorum's replacements; ``True``
-        when it arrived (or nobody needed it). Collective over ``quorum``."""
+        """Heal ``quorum``'s replacements (:func:`ddpkit.live.heal.transfer_state`); ``True``
+        when the state arrived (or nobody needed it), ``False`` when a member was lost.
+        Collective over ``quorum``."""
         if not quorum.joiners:
             return True
-        start = time.monotonic()
-        joining = self.replica in quorum.joiners
         try:
-            payload = [self._payload() if quorum.rank_of(self.replica) == 0 else None]
-            dist.broadcast_object_list(payload, group_src=0)
-            local = None if joining or self.heal_local is None else self.heal_local()
-            rng_by_rank: list[Any] = [None] * len(quorum.members)
-            dist.all_gather_object(rng_by_rank, local)
-            if joining:
-                if self.heal_sink is None:
-                    raise ConfigError(
-                        "live fault tolerance: a replacement received the job's state but has "
-                        "nothing to load it into. Build a CheckpointManager(state=...) and call "
-                        "its resume() before the first training step."
-                    )
-                self.heal_sink(payload[0], rng_by_rank)
+            seconds = transfer_state(
+                quorum, self.replica, self.heal_source, self.heal_local, self.heal_sink
+            )
         except Exception as exc:  # noqa: BLE001 - the replacement (or the sender) died
             if not is_lost_peer(exc):
                 raise
             self.break_group()
             return False
-        self.counters.heal_s += time.monotonic() - start
-        self.counters.healed += 1 if joining else len(quorum.joiners)
+        self.counters.heal_s += seconds
+        self.counters.healed += 1 if self.replica in quorum.joiners else len(quorum.joiners)
         return True
-
-    def _payload(self) -> dict[str, Any] | None:
-        if self.heal_source is None:
-            raise ConfigError(
-                "live fault tolerance: a replacement needs the job's state and this member has "
-                "none registered. Build a CheckpointManager(state=...) (it registers its state "
-                "for healing) before the first training step."
-            )
-        return self.heal_source()
 
     def admit(self) -> bool:
         """At a training step boundary: take the waiting replacements in (ask the launcher for
@@ -576,17 +458,20 @@ class LiveMembership:
 
         Collective with the survivors (they heal it at their next step).
         """
+        after = self.latest()  # read before saying ready: the quorum taking it in is newer
+        self.healed = False
         self.store.set(key("ready", self.replica), "1")
         # the members take it in at their next step, however long their current one (an
         # evaluation) takes; the launcher ends it if the job ends first
-        self._join(self.latest(), time.monotonic(), wait_s=REPLACEMENT_WAIT_S)
+        self._join(after, time.monotonic(), wait_s=REPLACEMENT_WAIT_S)
 
     def record_checkpoint(self, step: int, path: str) -> None:
         """Tell the launcher the newest complete checkpoint (it names it if the job ends)."""
         self.store.set(key("newest_checkpoint"), json.dumps({"step": step, "path": path}))
 
     def stop_requested(self) -> bool:
-        """Whether the members agreed to stop (the launcher's stop signal) or this member left."""
-        return bool(self.stop_signal) or self.left
+        """Whether the members agreed to stop (the launcher's stop signal, or every member's
+        own at once)."""
+        return bool(self.stop_signal)
 
 

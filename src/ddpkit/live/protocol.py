@@ -42,7 +42,7 @@ HEARTBEAT_S = 0.5  # a worker's heartbeat period
 DEAD = "DEAD"  # the tombstone a peer writes into a dead member's missing vote
 
 STORE_ENV = "DDPKIT_LIVE_STORE"  # host:port of the coordination store
-REPLICA_ENV = "DDPKIT_LIVE_REPLICA"  # this worker's replica id (a secret: 128 random bits)
+REPLICA_ENV = "DDPKIT_LIVE_REPLICA"  # this worker's replica id ("s<slot>-" + 128 random bits)
 SLOT_ENV = "DDPKIT_LIVE_SLOT"  # the launcher's slot (0..nproc-1) the worker fills
 
 
@@ -199,8 +199,8 @@ def decide(quorum: Quorum, votes: dict[str, Vote | None]) -> Decision:
     commit = not dead and all(v.ok for v in cast.values())
     newer = max((v.quorum_seen for v in cast.values()), default=quorum.number) > quorum.number
     stop = next((v.stop for v in cast.values() if v.stop), "")
-    if not stop and leaving and len(leaving) == len(quorum.members):
-        stop = "every member leaving"
+    if leaving and len(leaving) == len(quorum.members):  # Slurm signals every process: a stop
+        stop, leaving = stop or "every member leaving", ()
     reconfigure = bool(not commit or dead or leaving or newer)
     return Decision(
         commit=commit,

@@ -63,9 +63,16 @@ def join_live(
     from a live peer in :meth:`CheckpointManager.resume <ddpkit.CheckpointManager.resume>`.
 
     Raises:
+        ConfigError: ``backend="nccl"`` (not built).
         DistributedError: the store cannot be reached, or no quorum formed within
             ``init_timeout_s``.
     """
+    if backend == "nccl":
+        raise ConfigError(
+            "live fault tolerance with backend='nccl' is not built yet: a failing member would "
+            "need ProcessGroupNCCL's abort() where gloo's connections are shut down, and it was "
+            "never run on a GPU. Use backend='gloo', or fault_tolerance='restart'."
+        )
     host, _, port = os.environ[STORE_ENV].rpartition(":")
     timeout = datetime.timedelta(seconds=init_timeout_s)
     try:

@@ -69,7 +69,8 @@ class stepping:
 
 
 def all_reduce_gradients(model: nn.Module, group: object, world_size: int) -> None:
-    """Average the gradients of ``model``'s trainable parameters over the group's members.
+    """Average the gradients of ``model``'s trainable parameters over the group's members, then
+    give every member rank 0's buffers (:func:`broadcast_buffers`).
 
     Buckets of up to 25 MiB (DDP's default), each one ``all_reduce`` (SUM) launched
     asynchronously, then divided by ``world_size`` (DDP's average). A parameter without a
@@ -100,3 +101,21 @@ def all_reduce_gradients(model: nn.Module, group: object, world_size: int) -> No
             flat.div_(world_size)
             for grad, part in zip(bucket, flat.split([g.numel() for g in bucket]), strict=True):
                 grad.copy_(part.view_as(grad))
+    broadcast_buffers(model, group)
+
+
+def broadcast_buffers(model: nn.Module, group: object) -> None:
+    """Give every member rank 0's buffers (BatchNorm running statistics), one broadcast per
+    dtype: DDP broadcasts them before each forward (``broadcast_buffers=True``); here they are
+    sent after the step's forwards, so every replica ends the step bitwise equal, buffers
+    included. Collective over ``group``; nothing for a model without buffers."""
+    by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+    for buffer in model.buffers():
+        if buffer.numel():
+            by_dtype.setdefault(buffer.dtype, []).append(buffer)
+    with torch.no_grad():
+        for buffers in by_dtype.values():
+            flat = torch.cat([b.reshape(-1) for b in buffers])
+            dist.broadcast(flat, group=group, group_src=0)
+            for buffer, part in zip(buffers, flat.split([b.numel() for b in buffers]), strict=True):
+                buffer.copy_(part.view_as(buffer))

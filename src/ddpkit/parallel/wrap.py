@@ -287,8 +287,8 @@ def _wrap_live(
 
 def wrapped_strategy(model: nn.Module) -> str:
     """The strategy ``model`` was wrapped for: ``fsdp``, ``zero1``, ``ddp``, ``dp``, ``live``
-    (live fault tolerance) or ``single`` (a module ddpkit did not wrap counts as ``single``, or ``ddp``/``dp`` by its
-    wrapper class)."""
+    (live fault tolerance) or ``single`` (a module ddpkit did not wrap counts as ``single``,
+    or ``ddp``/``dp`` by its wrapper class)."""
     from ddpkit.parallel.fsdp import is_fsdp
 
     layer = model

@@ -27,7 +27,7 @@ from ddpkit.distributed.collectives import all_reduce_sum
 from ddpkit.distributed.process_group import Runtime
 from ddpkit.distributed.sampler import ShardedLoader
 from ddpkit.errors import ConfigError
-from ddpkit.live.membership import StepDiscarded
+from ddpkit.live.outcomes import StepDiscarded
 from ddpkit.training.step import StepResult, TrainStep
 from ddpkit.training.uneven import join_uneven_inputs, verify_even_batches
 
@@ -122,7 +122,8 @@ def _live_results(
         windows = step.windows(loader)
         try:
             while True:
-                live.admit()  # replacements waiting: taken in here, before batches are drawn
+                if committed["epoch"] == pass_epoch:  # not past the pass's last step: a
+                    live.admit()  # replacement taken in here starts where the members are
                 if live.quorum is not quorum:
                     break
                 window = next(windows, None)

@@ -30,7 +30,7 @@ from torch.nn import functional as F
 from ddpkit.distributed.process_group import Runtime
 from ddpkit.errors import ConfigError
 from ddpkit.guards.nonfinite import NonFiniteGuard
-from ddpkit.live.membership import StepDiscarded
+from ddpkit.live.outcomes import StepDiscarded
 from ddpkit.live.training import all_reduce_gradients, stepping
 from ddpkit.parallel.fsdp import is_sharded_tensor
 from ddpkit.parallel.wrap import wrapped_strategy
