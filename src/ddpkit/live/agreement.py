@@ -11,23 +11,29 @@ import torch.distributed as dist
 from ddpkit.live.protocol import DEAD, Quorum, Vote, key
 
 
-def arrival_outcome(store: dist.Store, quorum: Quorum, timeout_s: float) -> str:
-    """Count this member in at ``quorum`` and wait for the others: ``"go"`` once every member
-    arrived, ``"abandon"`` when a member died first, a newer quorum exists or ``timeout_s``
-    passed (a member that never came: the launcher acts on it). Whichever a member writes first
-    holds for all, so no member builds a group its peers gave up on."""
-    arrive, outcome = key("arrive", quorum.number), key("outcome", quorum.number)
-    store.add(arrive, 1)
+def arrival_outcome(store: dist.Store, quorum: Quorum, me: str, timeout_s: float) -> str:
+    """Mark this member arrived at ``quorum`` and wait for the others: ``"go"`` once every
+    member arrived, ``"abandon"`` when a member died first, a newer quorum exists or
+    ``timeout_s`` passed (the members that never came are then reported as hung, and the
+    launcher ends them). Whichever a member writes first holds for all, so no member builds a
+    group its peers gave up on."""
+    arrived = {m: key("arrive", quorum.number, m) for m in quorum.members}
+    outcome = key("outcome", quorum.number)
+    store.set(arrived[me], "1")
     pause, deadline = 0.001, time.monotonic() + timeout_s
     while True:
-        if int(store.add(arrive, 0)) >= len(quorum.members):
+        if store.check(list(arrived.values())):
             return store.compare_set(outcome, "", "go").decode()
+        late = time.monotonic() > deadline
         if (
-            store.check([outcome])
+            late
+            or store.check([outcome])
             or int(store.add(key("quorum", "latest"), 0)) > quorum.number
-            or time.monotonic() > deadline
             or any(store.check([key("dead", m)]) for m in quorum.members)
         ):
+            if late:
+                for member in [m for m, name in arrived.items() if not store.check([name])]:
+                    store.set(key("suspect", member), f"{timeout_s:.0f}")
             return store.compare_set(outcome, "", "abandon").decode()
         time.sleep(pause)
         pause = min(pause * 2, 0.02)

@@ -190,7 +190,7 @@ class LiveMembership:
     def form(self, quorum: Quorum) -> str:
         """Build ``quorum``'s process group (collective over its members).
 
-        Every member first counts itself in ``arrive/<q>`` and waits for the others there,
+        Every member first marks itself arrived (``arrive/<q>/<id>``) and waits for the others,
         where it can see deaths and newer quorums; only then does it enter torch's
         ``init_process_group`` (a ``PrefixStore`` per quorum), so a member lost while the
         others wait costs no timeout.
@@ -200,7 +200,7 @@ class LiveMembership:
             any member built it: nobody votes on it); ``"failed"`` (a member was lost while the
             group was built: this member votes ``ok=False`` on it).
         """
-        if arrival_outcome(self.store, quorum, self.formation_timeout_s) != "go":
+        if arrival_outcome(self.store, quorum, self.replica, self.formation_timeout_s) != "go":
             return "abandon"
         self.break_group()
         if dist.is_initialized():

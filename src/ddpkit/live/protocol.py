@@ -25,7 +25,9 @@ Keys (all under ``live/``):
                                    member dead first (the member then refuses to go on)
 ``failed/<q>``                     counter: members of ``q`` whose operation failed
 ``suspect/<replica>``              a member waited past the hang timeout for this one's vote
-``arrive/<q>``                     counter: members of ``q`` ready to build its process group
+``arrive/<q>/<replica>``           a member of ``q`` is ready to build its process group
+``outcome/<q>``                    ``go`` or ``abandon``: the first member to decide writes it
+``healed/<replica>``               a replacement's heal committed: it is a member from now on
 ``newest_checkpoint``              the newest complete checkpoint (JSON: step, path)
 =================================  ==============================================================
 """

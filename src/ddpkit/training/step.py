@@ -229,7 +229,7 @@ class TrainStep:
 
         Live fault tolerance (``runtime.live``): backward runs locally, then the gradients are
         all-reduced and the members vote; the optimizer steps only when every member completed
-        the step, else :class:`~ddpkit.live.membership.StepDiscarded` is raised on every member
+        the step, else :class:`~ddpkit.live.outcomes.StepDiscarded` is raised on every member
         after they moved to the next quorum (:func:`~ddpkit.train_epoch` trains the step's
         samples again there).
 
