@@ -144,7 +144,8 @@ def test_a_worker_that_fails_before_the_first_quorum_ends_the_job(store):
     _register(store, "s0-a", 0)
     lighthouse.exited("s1-b", 1)
     [event] = lighthouse.tick(now=0.0)
-    assert (event.kind, event.why) == ("empty", "slot 1 exited with status 1 before the job started")
+    why = "slot 1 exited with status 1 before the job started"
+    assert (event.kind, event.why) == ("empty", why)
 
 
 def test_the_last_member_gone_is_an_empty_event(store):
