@@ -52,7 +52,7 @@ def test_the_doc_loop_runs_as_one_process_and_as_plain_ddp(launch, tmp_path):
 def test_the_doc_loop_survives_a_killed_rank_with_live_fault_tolerance(tmp_path):
     (tmp_path / "live_train.py").write_text(doc_loop() + CHECKSUM)
     command = [sys.executable, "-m", "ddpkit", "run", "-n", "3", "--fault-tolerance", "live",
-               "--spares", "1", "live_train.py"]  # fmt: skip
+               "--spares", "1", "--heartbeat-timeout", "30", "live_train.py"]  # fmt: skip
     proc = subprocess.Popen(
         command, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
         env={**os.environ, "EPOCHS": "30", "PYTHONUNBUFFERED": "1"}, start_new_session=True,
