@@ -301,11 +301,11 @@ def run_trials(args: argparse.Namespace) -> None:
 
 
 def _train(mode: str, out: Path, faults_every: float | None, minutes: float,
-           rng: random.Random) -> dict:  # fmt: skip
+           rng: random.Random, nproc: int) -> dict:  # fmt: skip
     """One digits job for ``minutes`` of epochs, a SIGKILL every ``faults_every`` seconds."""
-    epochs = max(int(minutes * 60 / 0.35), 2)  # ~0.35 s an epoch on 2 ranks here
-    command = [sys.executable, "-m", "ddpkit", "train", "--nproc", "2", "--dataset", "digits",
-               "--epochs", str(epochs), "--output-dir", str(out), "--max-restarts", "100",
+    epochs = max(int(minutes * 60 / 0.15), 2)  # ~0.15 s an epoch here
+    command = [sys.executable, "-m", "ddpkit", "train", "--nproc", str(nproc), "--dataset",
+               "digits", "--epochs", str(epochs), "--output-dir", str(out), "--max-restarts", "100",
                "--progress", "off", "--fault-tolerance", mode]  # fmt: skip
     if mode == "restart":
         command += ["--checkpoint-every", "10"]
@@ -321,6 +321,8 @@ def _train(mode: str, out: Path, faults_every: float | None, minutes: float,
             os.kill(rng.choice(workers), signal.SIGKILL)
             faults += 1
     wall = time.monotonic() - start
+    job.wait(10)
+    (out / "output.txt").write_text(job.output)
     summary = json.loads((out / "summary.json").read_text()) if (out / "summary.json").exists() \
         else {}  # fmt: skip
     samples = summary.get("train_set_size", 0) * epochs
@@ -357,17 +359,19 @@ def run_goodput(args: argparse.Namespace) -> None:
     root = Path(tempfile.mkdtemp(prefix="ddpkit-live-goodput-"))
     rows = []
     for mode in ("live", "restart"):
-        clean = _train(mode, root / f"{mode}-clean", None, args.minutes, rng)
+        clean = _train(mode, root / f"{mode}-clean", None, args.minutes, rng, args.nproc)
         print(json.dumps({"mode": mode, "clean": clean}), flush=True)
         for every in args.every:
-            faulty = _train(mode, root / f"{mode}-faults-{every:g}", every, args.minutes, rng)
+            faulty = _train(
+                mode, root / f"{mode}-faults-{every:g}", every, args.minutes, rng, args.nproc
+            )
             ratio = faulty["samples_per_wall_s"] / clean["samples_per_wall_s"] if clean[
                 "samples_per_wall_s"] else float("nan")  # fmt: skip
             rows.append((mode, every, clean, faulty, ratio))
             print(json.dumps({"mode": mode, "every_s": every, "faults": faulty,
                               "goodput": ratio}), flush=True)  # fmt: skip
-    print(f"\n{_machine()}; digits, 2 ranks, {args.minutes:g} min of epochs, a SIGKILL to a "
-          "random worker every N s")
+    print(f"\n{_machine()}; digits, {args.nproc} ranks, {args.minutes:g} min of epochs, a "
+          f"SIGKILL to a random worker every N s; outputs in {root}")
     print("| mode | N (s) | faults | wall with faults (s) | wall without (s) | goodput |")
     print("|---|---|---|---|---|---|")
     for mode, every, clean, faulty, ratio in rows:
@@ -415,6 +419,7 @@ def main() -> None:
     goodput.add_argument("--every", type=float, nargs="+", default=[60.0, 15.0])
     goodput.add_argument("--minutes", type=float, default=3.0)
     goodput.add_argument("--seed", type=int, default=0)
+    goodput.add_argument("--nproc", type=int, default=3)
     cost = sub.add_parser("cost")
     cost.add_argument("--rounds", type=int, default=5)
     cost.add_argument("--data-dir", default=None, help="MNIST files: one epoch of MNIST instead")

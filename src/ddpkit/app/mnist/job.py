@@ -31,6 +31,7 @@ from ddpkit.app.mnist.model import build_model, build_optimizer, optimizer_spec
 from ddpkit.app.mnist.monitor import TrainingMonitor
 from ddpkit.app.mnist.outputs import finite_or_none, reset_outputs
 from ddpkit.app.mnist.resume import BatchPlan, checkpoint_settings, plan_batch
+from ddpkit.app.mnist.schedule import LRStepper
 from ddpkit.app.mnist.stopping import check_grace_period, slow_evaluation
 from ddpkit.checkpoint.manager import CheckpointManager
 from ddpkit.distributed.process_group import Runtime
@@ -194,6 +195,8 @@ class MnistTraining:
         num_train: training samples; num_test: test samples.
         goodput: this attempt's time split (:mod:`ddpkit.app.mnist.goodput`), once training
             starts.
+        epochs: the run's epochs (the schedule spans them).
+        lr_stepper: steps the schedule (:mod:`ddpkit.app.mnist.schedule`).
     """
 
     model: nn.Module
@@ -211,6 +214,14 @@ class MnistTraining:
     num_train: int
     num_test: int
     goodput: Goodput | None = None
+    epochs: int = 1
+    lr_stepper: LRStepper | None = None
+
+    def __post_init__(self) -> None:
+        if self.lr_stepper is None:  # live fault tolerance: the schedule follows the position
+            per_epoch = getattr(self.schedule, "total_steps", 0) // max(self.epochs, 1)
+            live = self.ckpt.runtime.live is not None
+            self.lr_stepper = LRStepper(self.schedule, per_epoch if live else None)
 
     @property
     def averager(self) -> Any:
@@ -268,6 +279,7 @@ def build_training(
     return MnistTraining(
         model, optimizer, inner_optimizer, comm_stats, train_loader, test_loader, precision,
         schedule, ckpt, state, meter, settings, len(train_set), len(test_set),
+        epochs=config.epochs,
     )  # fmt: skip
 
 
@@ -478,8 +490,7 @@ def _train_one_epoch(
     job.goodput.start_steps()
     for result in train_epoch(train_step, job.train_loader, join=config.join):
         step = result.step
-        if not result.skipped:  # the schedule counts the optimizer's real steps
-            job.schedule.step()
+        job.lr_stepper.step(result, job.train_loader.state_dict())  # live: by position
         meter.add(result)
         if comm_stats is not None:
             comm_stats.count_builtin_sync()  # the last backward synced (skipped or not)

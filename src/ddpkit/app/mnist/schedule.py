@@ -1,0 +1,51 @@
+"""The one-cycle LR schedule of ``ddpkit train``, stepped by optimizer steps or, with live fault
+tolerance, by the loader's position.
+
+``OneCycleLR`` is built for a fixed number of steps (``steps_per_epoch * epochs``) and raises
+when stepped past it. With live fault tolerance an epoch's number of steps changes with the
+members (half the ranks: twice the steps, each of half the global batch), so counting steps
+would run past the end (torch's ``ValueError: Tried to step 1801 times``, seen in a goodput
+trial) and bend the LR curve. There the schedule follows the epoch's progress instead: after
+each step it stands at ``epoch * steps_per_epoch + floor(fraction of the epoch's samples done *
+steps_per_epoch)``, read from the loader's global position, which every member shares (and a
+replacement receives when it heals), so every replica's LR is the same and the schedule ends
+where it would have, whatever the members did on the way.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from torch.optim.lr_scheduler import LRScheduler
+
+from ddpkit.training.step import StepResult
+
+
+class LRStepper:
+    """Steps ``schedule`` after each optimizer step (see the module docstring).
+
+    Args:
+        schedule: the LR schedule (its ``total_steps``, when it has one, is never passed).
+        steps_per_epoch: ``None``: one schedule step per optimizer step taken (not skipped);
+            else the schedule follows the loader's position (live fault tolerance), at this
+            many schedule steps per epoch.
+    """
+
+    def __init__(self, schedule: LRScheduler, steps_per_epoch: int | None = None) -> None:
+        self.schedule = schedule
+        self.steps_per_epoch = steps_per_epoch
+
+    def step(self, result: StepResult, position: dict[str, Any]) -> None:
+        """After one optimizer step; ``position``: the loader's ``state_dict()`` after it."""
+        if self.steps_per_epoch is None:
+            if not result.skipped:
+                self.schedule.step()
+            return
+        done, end = position.get("samples_done", 0), position.get("epoch_samples", 0)
+        fraction = done / end if end else 0.0
+        target = int(position["epoch"]) * self.steps_per_epoch
+        target += int(fraction * self.steps_per_epoch)
+        limit = getattr(self.schedule, "total_steps", None)
+        target = min(target, limit) if limit is not None else target
+        while self.schedule.last_epoch < target:
+            self.schedule.step()
