@@ -306,7 +306,15 @@ def _refill(
     replica = pool.activate_spare(slot)
     if replica is not None:
         lighthouse.add(replica, slot)
-        say(f"slot {slot}: a warm spare takes over; it heals from a live peer")
+        refilled = pool.replacements < spec.max_restarts  # the pool of spares kept full
+        if refilled:
+            pool.replacements += 1
+            pool.start_spare()
+        say(
+            f"slot {slot}: a warm spare takes over; it heals from a live peer"
+            + (f" (a new spare starts: {pool.replacements} of {spec.max_restarts})"
+               if refilled else "")
+        )  # fmt: skip
         return
     if pool.replacements >= spec.max_restarts:
         if lighthouse.members_alive():
