@@ -22,8 +22,10 @@ the output lines as they arrive. ``--restart`` trials run the same SIGKILLs unde
 --max-restarts 3`` (torchrun restarts every worker, which resume from the newest checkpoint):
 time from the fault to training past the step it had reached, steps trained again.
 
-``goodput``: ``ddpkit train --dataset digits`` for ``--minutes`` of epochs, a SIGKILL to a
-random worker every ``--every`` seconds, live (``--max-restarts 100``) against restart
+``goodput``: ``ddpkit train --dataset digits`` on ``--nproc`` ranks (2: one per core here; 3
+on 2 cores runs slower than 2, so losing a rank looks like a gain) for ``--minutes`` of epochs,
+a SIGKILL to a random worker every ``--every`` seconds, live (``--max-restarts 100 --spares
+1``) against restart
 (``--max-restarts 100 --checkpoint-every 10``): goodput = (the job's samples per second of wall
 time with faults) / (the same without faults), each mode against its own fault-free run.
 
@@ -301,7 +303,7 @@ def run_trials(args: argparse.Namespace) -> None:
 
 
 def _train(mode: str, out: Path, faults_every: float | None, minutes: float,
-           rng: random.Random, nproc: int) -> dict:  # fmt: skip
+           rng: random.Random, nproc: int, spares: int = 0) -> dict:  # fmt: skip
     """One digits job for ``minutes`` of epochs, a SIGKILL every ``faults_every`` seconds."""
     epochs = max(int(minutes * 60 / 0.15), 2)  # ~0.15 s an epoch here
     command = [sys.executable, "-m", "ddpkit", "train", "--nproc", str(nproc), "--dataset",
@@ -309,6 +311,8 @@ def _train(mode: str, out: Path, faults_every: float | None, minutes: float,
                "--progress", "off", "--fault-tolerance", mode]  # fmt: skip
     if mode == "restart":
         command += ["--checkpoint-every", "10"]
+    elif spares:
+        command += ["--spares", str(spares)]
     job = Job(command, {})
     start = time.monotonic()
     faults = 0
@@ -316,7 +320,7 @@ def _train(mode: str, out: Path, faults_every: float | None, minutes: float,
         time.sleep(faults_every or 1.0)
         if faults_every is None or job.proc.poll() is not None:
             continue
-        workers = [p for p in _descendants(job.proc.pid) if _is_worker(p)]
+        workers = _training_workers(job.proc.pid)
         if workers:
             os.kill(rng.choice(workers), signal.SIGKILL)
             faults += 1
@@ -348,10 +352,28 @@ def _descendants(pid: int) -> set[int]:
 
 
 def _is_worker(pid: int) -> bool:
+    """A worker, or a warm spare (which becomes a worker when it takes over a slot)."""
     try:
-        return b"ddpkit.launch.worker" in Path(f"/proc/{pid}/cmdline").read_bytes()
+        command = Path(f"/proc/{pid}/cmdline").read_bytes()
     except OSError:
         return False
+    return b"ddpkit.launch.worker" in command or b"ddpkit.launch.spare" in command
+
+
+def _cpu_ticks(pid: int) -> int:
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        return int(fields[11]) + int(fields[12])
+    except (OSError, IndexError, ValueError):
+        return -1
+
+
+def _training_workers(launcher: int) -> list[int]:
+    """Worker processes that train now (CPU time grew over 0.5 s): not an idle warm spare."""
+    candidates = [p for p in _descendants(launcher) if _is_worker(p)]
+    before = {p: _cpu_ticks(p) for p in candidates}
+    time.sleep(0.5)
+    return [p for p in candidates if _cpu_ticks(p) - before[p] >= 5]
 
 
 def run_goodput(args: argparse.Namespace) -> None:
@@ -359,19 +381,20 @@ def run_goodput(args: argparse.Namespace) -> None:
     root = Path(tempfile.mkdtemp(prefix="ddpkit-live-goodput-"))
     rows = []
     for mode in ("live", "restart"):
-        clean = _train(mode, root / f"{mode}-clean", None, args.minutes, rng, args.nproc)
+        clean = _train(mode, root / f"{mode}-clean", None, args.minutes, rng, args.nproc,
+                       args.spares)  # fmt: skip
         print(json.dumps({"mode": mode, "clean": clean}), flush=True)
         for every in args.every:
-            faulty = _train(
-                mode, root / f"{mode}-faults-{every:g}", every, args.minutes, rng, args.nproc
-            )
+            faulty = _train(mode, root / f"{mode}-faults-{every:g}", every, args.minutes, rng,
+                            args.nproc, args.spares)  # fmt: skip
             ratio = faulty["samples_per_wall_s"] / clean["samples_per_wall_s"] if clean[
                 "samples_per_wall_s"] else float("nan")  # fmt: skip
             rows.append((mode, every, clean, faulty, ratio))
             print(json.dumps({"mode": mode, "every_s": every, "faults": faulty,
                               "goodput": ratio}), flush=True)  # fmt: skip
-    print(f"\n{_machine()}; digits, {args.nproc} ranks, {args.minutes:g} min of epochs, a "
-          f"SIGKILL to a random worker every N s; outputs in {root}")
+    print(f"\n{_machine()}; digits, {args.nproc} ranks (live: {args.spares} warm spare(s)), "
+          f"{args.minutes:g} min of epochs, a SIGKILL to a random worker every N s; outputs in "
+          f"{root}")
     print("| mode | N (s) | faults | wall with faults (s) | wall without (s) | goodput |")
     print("|---|---|---|---|---|---|")
     for mode, every, clean, faulty, ratio in rows:
@@ -419,7 +442,8 @@ def main() -> None:
     goodput.add_argument("--every", type=float, nargs="+", default=[60.0, 15.0])
     goodput.add_argument("--minutes", type=float, default=3.0)
     goodput.add_argument("--seed", type=int, default=0)
-    goodput.add_argument("--nproc", type=int, default=3)
+    goodput.add_argument("--nproc", type=int, default=2)
+    goodput.add_argument("--spares", type=int, default=1, help="live mode's warm spares")
     cost = sub.add_parser("cost")
     cost.add_argument("--rounds", type=int, default=5)
     cost.add_argument("--data-dir", default=None, help="MNIST files: one epoch of MNIST instead")

@@ -356,7 +356,7 @@ def _scheduler_left_out(runtime, directory: str) -> dict:
         opt.step()
         sched.step()
     ckpt.save(6)
-    lr_saved = opt.param_groups[0]["lr"]
+    lr_saved, position_saved = opt.param_groups[0]["lr"], sched.last_epoch
     fresh_opt = torch.optim.SGD(model.parameters(), lr=0.1)
     fresh_sched = torch.optim.lr_scheduler.StepLR(fresh_opt, step_size=4, gamma=0.5)
     resumed = ddpkit.CheckpointManager(
@@ -367,7 +367,8 @@ def _scheduler_left_out(runtime, directory: str) -> dict:
     return {
         "warnings": [w for w in warnings if "no LR scheduler" in w],
         "lr_saved": lr_saved,
-        "lr_resumed": fresh_opt.param_groups[0]["lr"],
+        "position_saved": position_saved,
+        "position_resumed": fresh_sched.last_epoch,
     }
 
 
@@ -375,6 +376,7 @@ def test_a_scheduler_left_out_is_named_once_on_rank_zero_of_a_real_job(tmp_path)
     ranks = run_distributed(_scheduler_left_out, 2, args=(str(tmp_path / "ckpt"),))
     assert [len(r["warnings"]) for r in ranks] == [2, 0]  # rank 0: one per manager
     assert "StepLR" in ranks[0]["warnings"][0] and 'state["scheduler"]' in ranks[0]["warnings"][0]
-    # the fault itself, which the warning names: the schedule restarted on every rank
+    # the fault itself, which the warning names: the schedule restarted on every rank (the LR
+    # itself comes back with the optimizer's param groups; the schedule's position does not)
     assert {r["lr_saved"] for r in ranks} == {0.05}
-    assert {r["lr_resumed"] for r in ranks} == {0.1}
+    assert {(r["position_saved"], r["position_resumed"]) for r in ranks} == {(6, 1)}

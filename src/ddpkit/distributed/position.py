@@ -239,12 +239,14 @@ def user_site(frame: FrameType | None) -> str:
 
 
 def _via(frame: FrameType | None) -> str:
-    """The outermost ddpkit function below the user's code (``"evaluate"``), or ``""``."""
+    """The outermost ddpkit function below the user's code (``"evaluate"``), or ``""``; a
+    closure (a decorator's wrapper such as ``live_guarded``'s) is not a name to show."""
     found = ""
     while frame is not None:
         filename = frame.f_code.co_filename
-        if filename.startswith(_DDPKIT_DIR):
-            found = getattr(frame.f_code, "co_qualname", frame.f_code.co_name)
+        name = getattr(frame.f_code, "co_qualname", frame.f_code.co_name)
+        if filename.startswith(_DDPKIT_DIR) and "<locals>" not in name:
+            found = name
         elif not _is_library(filename):
             break
         frame = frame.f_back
