@@ -9,10 +9,10 @@
 ``tests/live/scripts/live_loop.py`` (``LOG_STEPS=1``: every worker logs each committed step's
 parameter checksum and samples), with one fault chosen by a seeded RNG: SIGKILL, SIGSTOP (found
 by the heartbeat, ``--heartbeat-timeout 3``) or SIGTERM (a preemption notice to that worker
-alone) to a random worker at a random moment (mostly inside backward: it is 90 % of a step),
-two SIGKILLs 0-1 s apart, or a SIGKILL of the replacement while it heals; warm spares on every
-other trial. Checked per trial: exit 0; the survivors are the processes that started (0
-survivor restarts); steps discarded per failure; replicas equal after every committed step
+alone) to a random worker at a random moment (mostly inside backward: its 30 ms sleep is about
+two thirds of a step), two SIGKILLs 0-1 s apart, or a SIGKILL of the replacement while it heals;
+warm spares on every other trial. Checked per trial: exit 0; the survivors are the processes
+that started (0 survivor restarts); steps discarded per failure; replicas equal after every committed step
 (same checksum for the same step on every worker that logged it: 0 forks); the final models
 equal; every sample of every epoch trained exactly once, counting the padding a re-shard adds
 (``DistributedSampler``'s rule: the rows are completed with the epoch's first indices);
@@ -188,7 +188,7 @@ def _check_logs(out: Path) -> dict:
 def live_trial(index: int, kind: str, spares: int, rng: random.Random, root: Path) -> dict:
     out = root / f"trial-{index:03d}"
     out.mkdir(parents=True)
-    env = {"STEP_S": "0.03", "EPOCHS": "14", "LOG_STEPS": "1", "CKPT_EVERY": "0"}
+    env = {"STEP_S": "0.03", "EPOCHS": "8", "LOG_STEPS": "1", "CKPT_EVERY": "0"}
     if kind == "kill_healing":
         env["SLOW_HEAL_S"] = "1"
     command = [sys.executable, "-m", "ddpkit", "run", "-n", "3", "--fault-tolerance", "live",
@@ -228,7 +228,7 @@ def restart_trial(index: int, rng: random.Random, root: Path) -> dict:
     had reached, and the steps trained again."""
     out = root / f"restart-{index:03d}"
     out.mkdir(parents=True)
-    env = {"STEP_S": "0.03", "EPOCHS": "14", "CKPT_EVERY": "10"}
+    env = {"STEP_S": "0.03", "EPOCHS": "8", "CKPT_EVERY": "10"}
     command = [sys.executable, "-m", "ddpkit", "run", "-n", "3", "--max-restarts", "3",
                str(SCRIPT), str(out)]  # fmt: skip
     job = Job(command, env)
@@ -288,6 +288,8 @@ def run_trials(args: argparse.Namespace) -> None:
                    if r["discarded_steps"] is not None]  # fmt: skip
     print(f"| steps discarded per failure (max) | {max(per_failure, default=0):.1f} | padding "
           f"repeats | {sum(r['padding_repeats'] for r in live)} |")
+    healed = sum(r["rejoin_s"] is not None for r in live)
+    print(f"| a replacement healed before the job ended | {healed}/{len(live)} | | |")
     for spares in (0, 1):
         group = [r for r in live if r["spares"] == spares]
         print(f"| spares={spares}: detection, failed step, stall, heal, rejoin (median / max s) |"
