@@ -12,15 +12,15 @@ by the heartbeat, ``--heartbeat-timeout 3``) or SIGTERM (a preemption notice to 
 alone) to a random worker at a random moment (mostly inside backward: its 30 ms sleep is about
 two thirds of a step), two SIGKILLs 0-1 s apart, or a SIGKILL of the replacement while it heals;
 warm spares on every other trial. Checked per trial: exit 0; the survivors are the processes
-that started (0 survivor restarts); steps discarded per failure; replicas equal after every committed step
-(same checksum for the same step on every worker that logged it: 0 forks); the final models
-equal; every sample of every epoch trained exactly once, counting the padding a re-shard adds
-(``DistributedSampler``'s rule: the rows are completed with the epoch's first indices);
-detection (fault to the launcher's line), stall (the members' line: the failed step and the move
-to the next quorum), heal time and rejoin (fault to the replacement healed), from timestamps of
-the output lines as they arrive. ``--restart`` trials run the same SIGKILLs under ``ddpkit run
---max-restarts 3`` (torchrun restarts every worker, which resume from the newest checkpoint):
-time from the fault to training past the step it had reached, steps trained again.
+that started (0 survivor restarts); steps discarded per failure; replicas equal after every
+committed step (same checksum for the same step on every worker that logged it: 0 forks); the
+final models equal; every sample of every epoch trained exactly once, counting the padding a
+re-shard adds (``DistributedSampler``'s rule: the rows are completed with the epoch's first
+indices); detection (fault to the launcher's line), stall (the members' line: the failed step
+and the move to the next quorum), heal time and rejoin (fault to the replacement healed), from
+timestamps of the output lines as they arrive. ``--restart`` trials run the same SIGKILLs under
+``ddpkit run --max-restarts 3`` (torchrun restarts every worker, which resume from the newest
+checkpoint): time from the fault to training past the step it had reached, steps trained again.
 
 ``goodput``: ``ddpkit train --dataset digits`` on ``--nproc`` ranks (2: one per core here; 3
 on 2 cores runs slower than 2, so losing a rank looks like a gain) for ``--minutes`` of epochs,
