@@ -58,9 +58,9 @@ class LiveJob:
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             progress = self.out / "progress"
-            if progress.exists() and progress.read_text().strip().isdigit():
-                if int(progress.read_text()) >= step:
-                    return
+            text = progress.read_text().strip() if progress.exists() else ""
+            if text.isdigit() and int(text) >= step:
+                return
             if self.proc.poll() is not None:
                 pytest.fail(f"the job ended before step {step}:\n{self.finish()}")
             time.sleep(0.05)

@@ -119,7 +119,8 @@ with ddpkit.init_runtime(train_timeout_s=float(os.environ.get("TRAIN_TIMEOUT", "
                 with LOG.open("a") as handle:
                     handle.write(f"C {committed_key} {digest} {epoch}\n")
             if rt.is_rank_zero:
-                (OUT / "progress").write_text(str(result.step))
+                (OUT / "progress.tmp").write_text(str(result.step))
+                os.replace(OUT / "progress.tmp", OUT / "progress")  # never read half-written
             if (OUT / f"hang-{SLOT}").exists():
                 time.sleep(3600)  # hung in the script's own code
             ckpt.maybe_save(result.step)
