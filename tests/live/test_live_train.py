@@ -31,9 +31,14 @@ def _is_worker(pid: int) -> bool:
 
 def test_ddpkit_train_survives_a_killed_rank(tmp_path):
     out = tmp_path / "run"
+    # a checkpoint every 20 steps: each save checks that every replica holds the same
+    # parameters (a replacement's LR schedule once followed its own start-up world size: its
+    # parameters parted from the survivor's at the first step after the heal, and the first
+    # save after it refused to write)
     command = [sys.executable, "-m", "ddpkit", "train", "--nproc", "2", "--dataset", "digits",
-               "--epochs", "120", "--output-dir", str(out), "--progress", "off",
-               "--fault-tolerance", "live", "--heartbeat-timeout", "30"]  # fmt: skip
+               "--epochs", "160", "--output-dir", str(out), "--progress", "off",
+               "--checkpoint-every", "20", "--fault-tolerance", "live",
+               "--heartbeat-timeout", "30"]  # fmt: skip
     proc = subprocess.Popen(
         command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
         env={**os.environ, "PYTHONUNBUFFERED": "1"}, start_new_session=True,
@@ -52,6 +57,8 @@ def test_ddpkit_train_survives_a_killed_rank(tmp_path):
         pytest.fail(proc.communicate()[0])
     assert proc.returncode == 0, output
     assert "live: completed; 1 failure(s) survived: slot 1 died (SIGKILL)" in output, output
+    assert "slot(s) 1 healed from slot 0" in output, output
+    assert "ReplicaDivergenceError" not in output, output
     summary = json.loads((out / "summary.json").read_text())
     live = summary["goodput"]["live"]
     assert live["failures"] == 1 and live["discarded_steps"] <= 1, summary["goodput"]
@@ -62,7 +69,7 @@ def test_the_schedule_follows_the_position_and_never_passes_its_end():
     model = torch.nn.Linear(2, 2)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     schedule = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=0.1, total_steps=20)
-    stepper = LRStepper(schedule, steps_per_epoch=10)
+    stepper = LRStepper(schedule, epochs=2)  # 10 schedule steps per epoch
     result = StepResult(step=1, loss_sums=(0.0,), num_samples=4, num_samples_global=8,
                         skipped=False)  # fmt: skip
     stepper.step(result, {"epoch": 0, "samples_done": 30, "epoch_samples": 100})
@@ -74,3 +81,25 @@ def test_the_schedule_follows_the_position_and_never_passes_its_end():
     stepper.step(result, {"epoch": 2, "samples_done": 0, "epoch_samples": 0})
     stepper.step(result, {"epoch": 2, "samples_done": 5, "epoch_samples": 100})
     assert schedule.last_epoch == 20  # its end, never past it (torch would raise)
+
+
+def test_a_healed_schedule_follows_the_total_steps_its_peer_sent():
+    """A replacement built its OneCycleLR for the world size it started at (here 1: 40 steps an
+    epoch); the heal loads the survivors' (2 ranks: 20). The stepper follows the loaded one,
+    so its LR is the survivors' LR at the same position."""
+    def build(total_steps):
+        opt = torch.optim.SGD(torch.nn.Linear(2, 2).parameters(), lr=0.1)
+        return torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=0.1, total_steps=total_steps)
+
+    survivor, replacement = build(40), build(80)
+    result = StepResult(step=1, loss_sums=(0.0,), num_samples=4, num_samples_global=8,
+                        skipped=False)  # fmt: skip
+    LRStepper(survivor, epochs=2).step(result, {"epoch": 0, "samples_done": 50,
+                                                "epoch_samples": 100})  # fmt: skip
+    stepper = LRStepper(replacement, epochs=2)
+    replacement.load_state_dict(survivor.state_dict())  # the heal
+    stepper.step(result, {"epoch": 1, "samples_done": 0, "epoch_samples": 100})
+    LRStepper(survivor, epochs=2).step(result, {"epoch": 1, "samples_done": 0,
+                                                "epoch_samples": 100})  # fmt: skip
+    assert replacement.last_epoch == survivor.last_epoch == 20
+    assert replacement.get_last_lr() == survivor.get_last_lr()

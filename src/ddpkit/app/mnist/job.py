@@ -219,9 +219,8 @@ class MnistTraining:
 
     def __post_init__(self) -> None:
         if self.lr_stepper is None:  # live fault tolerance: the schedule follows the position
-            per_epoch = getattr(self.schedule, "total_steps", 0) // max(self.epochs, 1)
             live = self.ckpt.runtime.live is not None
-            self.lr_stepper = LRStepper(self.schedule, per_epoch if live else None)
+            self.lr_stepper = LRStepper(self.schedule, self.epochs if live else None)
 
     @property
     def averager(self) -> Any:

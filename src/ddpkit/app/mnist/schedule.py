@@ -26,26 +26,28 @@ class LRStepper:
 
     Args:
         schedule: the LR schedule (its ``total_steps``, when it has one, is never passed).
-        steps_per_epoch: ``None``: one schedule step per optimizer step taken (not skipped);
-            else the schedule follows the loader's position (live fault tolerance), at this
-            many schedule steps per epoch.
+        epochs: ``None``: one schedule step per optimizer step taken (not skipped); else the
+            schedule follows the loader's position (live fault tolerance), at
+            ``schedule.total_steps // epochs`` schedule steps per epoch, read at every step:
+            a replacement's schedule was built for the world size it started at, and its
+            ``total_steps`` comes from the live peer that healed it.
     """
 
-    def __init__(self, schedule: LRScheduler, steps_per_epoch: int | None = None) -> None:
+    def __init__(self, schedule: LRScheduler, epochs: int | None = None) -> None:
         self.schedule = schedule
-        self.steps_per_epoch = steps_per_epoch
+        self.epochs = epochs
 
     def step(self, result: StepResult, position: dict[str, Any]) -> None:
         """After one optimizer step; ``position``: the loader's ``state_dict()`` after it."""
-        if self.steps_per_epoch is None:
+        if self.epochs is None:
             if not result.skipped:
                 self.schedule.step()
             return
+        limit = int(getattr(self.schedule, "total_steps"))
+        per_epoch = limit // max(self.epochs, 1)
         done, end = position.get("samples_done", 0), position.get("epoch_samples", 0)
         fraction = done / end if end else 0.0
-        target = int(position["epoch"]) * self.steps_per_epoch
-        target += int(fraction * self.steps_per_epoch)
-        limit = getattr(self.schedule, "total_steps", None)
-        target = min(target, limit) if limit is not None else target
+        target = int(position["epoch"]) * per_epoch + int(fraction * per_epoch)
+        target = min(target, limit)
         while self.schedule.last_epoch < target:
             self.schedule.step()
