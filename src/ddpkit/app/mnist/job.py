@@ -193,10 +193,10 @@ class MnistTraining:
             record covers the whole epoch).
         settings: the settings a resumed run must share with its checkpoint.
         num_train: training samples; num_test: test samples.
+        lr_stepper: steps the schedule (:mod:`ddpkit.app.mnist.schedule`): by optimizer
+            steps, or with live fault tolerance by the loader's position.
         goodput: this attempt's time split (:mod:`ddpkit.app.mnist.goodput`), once training
             starts.
-        epochs: the run's epochs (the schedule spans them).
-        lr_stepper: steps the schedule (:mod:`ddpkit.app.mnist.schedule`).
     """
 
     model: nn.Module
@@ -213,14 +213,8 @@ class MnistTraining:
     settings: dict[str, Any]
     num_train: int
     num_test: int
+    lr_stepper: LRStepper
     goodput: Goodput | None = None
-    epochs: int = 1
-    lr_stepper: LRStepper | None = None
-
-    def __post_init__(self) -> None:
-        if self.lr_stepper is None:  # live fault tolerance: the schedule follows the position
-            live = self.ckpt.runtime.live is not None
-            self.lr_stepper = LRStepper(self.schedule, self.epochs if live else None)
 
     @property
     def averager(self) -> Any:
@@ -278,7 +272,7 @@ def build_training(
     return MnistTraining(
         model, optimizer, inner_optimizer, comm_stats, train_loader, test_loader, precision,
         schedule, ckpt, state, meter, settings, len(train_set), len(test_set),
-        epochs=config.epochs,
+        LRStepper(schedule, config.epochs if runtime.live is not None else None),
     )  # fmt: skip
 
 
@@ -489,7 +483,8 @@ def _train_one_epoch(
     job.goodput.start_steps()
     for result in train_epoch(train_step, job.train_loader, join=config.join):
         step = result.step
-        job.lr_stepper.step(result, job.train_loader.state_dict())  # live: by position
+        position = job.train_loader.state_dict() if job.lr_stepper.by_position else {}
+        job.lr_stepper.step(result, position)
         meter.add(result)
         if comm_stats is not None:
             comm_stats.count_builtin_sync()  # the last backward synced (skipped or not)

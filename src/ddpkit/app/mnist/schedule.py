@@ -37,13 +37,19 @@ class LRStepper:
         self.schedule = schedule
         self.epochs = epochs
 
+    @property
+    def by_position(self) -> bool:
+        """Whether :meth:`step` reads the loader's position (live fault tolerance)."""
+        return self.epochs is not None
+
     def step(self, result: StepResult, position: dict[str, Any]) -> None:
-        """After one optimizer step; ``position``: the loader's ``state_dict()`` after it."""
+        """After one optimizer step; ``position``: the loader's ``state_dict()`` after it (read
+        only when :attr:`by_position`)."""
         if self.epochs is None:
             if not result.skipped:
                 self.schedule.step()
             return
-        limit = int(getattr(self.schedule, "total_steps"))
+        limit = int(self.schedule.total_steps)  # type: ignore[attr-defined]
         per_epoch = limit // max(self.epochs, 1)
         done, end = position.get("samples_done", 0), position.get("epoch_samples", 0)
         fraction = done / end if end else 0.0
