@@ -52,6 +52,7 @@ from ddpkit.distributed.stop import StopRequest, TrainingStopped, default_stop_s
 from ddpkit.distributed.watchdog import Watchdog
 from ddpkit.errors import ConfigError, DistributedError
 from ddpkit.live.membership import LiveMembership
+from ddpkit.live.outcomes import LeftTheJob
 from ddpkit.live.protocol import Quorum
 from ddpkit.live.start import join_live, wants_live
 from ddpkit.log import follow_rank_change
@@ -312,7 +313,7 @@ class Runtime:
         if (
             exc is not None
             and not isinstance(exc, TrainingStopped)
-            and not getattr(exc, "left_job", False)  # live: left on its own signal
+            and not isinstance(exc, LeftTheJob)  # live: left on its own signal
         ):  # before the teardown that makes the peers fail
             from ddpkit.diagnostics.translate import add_hint_note
 

@@ -41,6 +41,7 @@ from ddpkit.diagnostics.failures import (
 )
 from ddpkit.distributed.stop import TrainingStopped, default_stop_signals, stop_agreed_elsewhere
 from ddpkit.launch.elastic import ELASTIC_ENV
+from ddpkit.live.outcomes import LeftTheJob
 from ddpkit.security.bind import MASTER_PORT_ENV
 
 register_bootstrap_file(__file__)  # failure tracebacks start at the user's script
@@ -141,9 +142,9 @@ def run_target(argv: list[str]) -> int:
         _run_as_main(argv)
     except TrainingStopped as exc:  # every rank stopped at one step: the launcher says it once
         return _stopped(exc)
+    except LeftTheJob:  # live: it left on its own signal, the job goes on
+        return 0
     except SystemExit as exc:
-        if getattr(exc, "left_job", False):  # live: it left on its own signal, the job goes on
-            return 0
         code = _exit_code(exc)
         if code != 0:
             _record_failure(exc, show_traceback=False)

@@ -25,7 +25,7 @@ import socket
 import threading
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NoReturn
 
 import torch
 import torch.distributed as dist
@@ -100,7 +100,6 @@ class LiveMembership:
         self.counters = LiveCounters()
         self.last_decision: Decision | None = None
         self.stop_signal = ""  # the job's agreed stop ("" until the members agree)
-        self.left = False  # this member left (its own stop signal) and must not go on
         self.admit_pending = False  # replacements wait: take them in before the next step
         self.leave_signal: Callable[[], str] | None = None  # "" or this process's own signal
         self.step = 0  # optimizer steps committed (set by resume, counted by TrainStep)
@@ -329,8 +328,7 @@ class LiveMembership:
         stop, leave, or move to the next quorum. Collective (a quorum change) when
         ``decision.reconfigure``. ``step``: the training step's number, for a step."""
         if self.replica in decision.leaving:
-            self.left = True
-            raise LeftTheJob(self.leave_signal() if self.leave_signal else "")
+            self._leave()
         self._note_stop(decision)
         self.admit_pending = self.admit_pending or decision.admit
         what = f"training step {step}" if step else op
@@ -347,6 +345,10 @@ class LiveMembership:
                 self.counters.stall_s += spent
                 done = f"discarded on every member after {spent:.2f} s"
             self.reconfigure(f"{what} {done}")
+
+    def _leave(self) -> NoReturn:
+        """This member is in the decision's leavers: it ends (exit 0), its peers go on."""
+        raise LeftTheJob(self.leave_signal() if self.leave_signal else "")
 
     def _note_stop(self, decision: Decision) -> None:
         """The members agreed to stop: remember it (``stop_requested``), and withdraw a leave
@@ -414,8 +416,7 @@ class LiveMembership:
             for callback in self.on_change:
                 callback(quorum)
             if self.replica in decision.leaving:
-                self.left = True
-                raise LeftTheJob(self.leave_signal() if self.leave_signal else "")
+                self._leave()
             if not decision.reconfigure:
                 return
 

@@ -41,8 +41,6 @@ class LeftTheJob(SystemExit):
     """This member left the job on a stop signal of its own; its peers go on without it. A
     ``SystemExit`` with status 0: the worker ends cleanly, from whatever operation it was in."""
 
-    left_job = True
-
     def __init__(self, signal_name: str) -> None:
         super().__init__(0)
         self.signal_name = signal_name
