@@ -167,15 +167,19 @@ def read_records(run_dir: str | os.PathLike[str]) -> list[FailureRecord]:
     return sorted(_read(run_dir, "failure-*.json", FailureRecord), key=lambda r: r.time_s)
 
 
-def remove_records(run_dir: str | os.PathLike[str], pid: int) -> None:
-    """Remove the failure records of process ``pid`` (live fault tolerance: a failure the job
-    survived is not its outcome)."""
+def take_records(run_dir: str | os.PathLike[str], pid: int) -> list[FailureRecord]:
+    """The failure records of process ``pid``, removed from ``run_dir`` (live fault tolerance:
+    a failure the job survived is not its outcome)."""
+    taken = []
     for path in Path(run_dir).glob("failure-*.json"):
         try:
-            if json.loads(path.read_text()).get("pid") == pid:
-                path.unlink()
-        except (OSError, ValueError):
-            continue
+            record = FailureRecord(**json.loads(path.read_text()))
+        except (OSError, ValueError, TypeError):
+            continue  # a straggler, as read_records skips it
+        if record.pid == pid:
+            taken.append(record)
+            path.unlink(missing_ok=True)
+    return sorted(taken, key=lambda r: r.time_s)
 
 
 @dataclass(frozen=True)

@@ -27,12 +27,12 @@ import time
 import uuid
 from dataclasses import dataclass, field
 
-from ddpkit.diagnostics.failures import read_records, read_stop_records, remove_records
+from ddpkit.diagnostics.failures import read_records, read_stop_records, take_records
 from ddpkit.errors import ConfigError
-from ddpkit.launch.launcher import LaunchSpec, _preflight, _worker_environment
+from ddpkit.launch.launcher import LaunchSpec, _preflight, _stopped, _worker_environment
 from ddpkit.launch.network import host_rendezvous_store
 from ddpkit.launch.spare import PRELOAD_ENV, SPARE_ENV, slot_environment
-from ddpkit.launch.stopping import stop_line, stopped_by_workers
+from ddpkit.launch.stopping import stopped_by_workers
 from ddpkit.launch.summary import summarize_failure
 from ddpkit.live.lighthouse import Event, Lighthouse
 from ddpkit.live.protocol import STORE_ENV, key
@@ -64,6 +64,7 @@ class WorkerPool:
         self.workers: dict[str, _Process] = {}
         self.spares: dict[str, _Process] = {}
         self.replacements = 0
+        self.survived: list[str] = []  # every failure the job went on from, as its line said
 
     def _popen(self, module: str, extra: dict[str, str]) -> subprocess.Popen:
         env = {**self.env, **extra}
@@ -105,8 +106,7 @@ class WorkerPool:
         proc = self.workers.get(replica)
         if proc is None:
             return ""
-        found = [r for r in read_records(self.run_dir) if r.pid == proc.popen.pid]
-        remove_records(self.run_dir, proc.popen.pid)
+        found = take_records(self.run_dir, proc.popen.pid)
         return "; ".join(f"{r.type}: {r.message}"[:200] for r in found)
 
     def exits(self) -> list[tuple[str, int]]:
@@ -291,10 +291,10 @@ def _act(
     slot = lighthouse.replicas[event.replica].slot
     if event.kill:
         pool.kill(event.replica)
-    say(f"slot {slot} {event.why}" if event.kind == "dead" else f"slot {slot} left ({event.why})")
+    line = f"slot {slot} {event.why}" if event.kind == "dead" else f"slot {slot} left ({event.why})"
+    say(line)
     errors = pool.take_errors(event.replica)
-    if errors:
-        lighthouse.history[-1] += f" ({errors})"
+    pool.survived.append(f"{line} ({errors})" if errors else line)
     if not stopping:
         _refill(slot, spec, pool, lighthouse, say)
 
@@ -366,19 +366,15 @@ def _finish(
     members = lighthouse.quorum.members if lighthouse.quorum else ()
     codes = [pool.workers[m].popen.poll() for m in members if m in pool.workers]
     if stop.received is not None:
-        final = dataclasses.replace(spec, nproc=max(stop.members, 1))
-        line, code = stop_line(final, run_dir, stop.received)
-        print(line, file=sys.stderr, flush=True)
-        return code
+        return _stopped(dataclasses.replace(spec, nproc=max(stop.members, 1)), run_dir,
+                        stop.received)  # fmt: skip
     if codes and all(c == 0 for c in codes):
         if stopped_by_workers(run_dir):  # every member got a stop signal of its own at once
             final = dataclasses.replace(spec, nproc=len(read_stop_records(run_dir)))
-            line, code = stop_line(final, run_dir, None)
-            print(line, file=sys.stderr, flush=True)
-            return code
-        if lighthouse.history:  # a job that lost ranks on the way: say so at the end
-            say(f"completed; {len(lighthouse.history)} failure(s) survived: "
-                f"{'; '.join(lighthouse.history)}")  # fmt: skip
+            return _stopped(final, run_dir, None)
+        if pool.survived:  # a job that lost ranks on the way: say so at the end
+            say(f"completed; {len(pool.survived)} failure(s) survived: "
+                f"{'; '.join(pool.survived)}")  # fmt: skip
         return 0
     records = read_records(run_dir)
     for line in summarize_failure(records, {}, spec)[:-1] if records else []:

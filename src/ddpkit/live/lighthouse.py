@@ -106,7 +106,6 @@ class Lighthouse:
         self.quorum: Quorum | None = None
         self.left: set[str] = set()
         self.unhealed: set[str] = set()  # taken in, heal not confirmed yet
-        self.history: list[str] = []  # every failure survived, as the event lines said it
         self._failed_seen_at: float | None = None
         self._reasons: list[str] = []
         self._loud = False  # a reason worth a line (not only members that finished)
@@ -219,7 +218,6 @@ class Lighthouse:
         self._reasons.append(f"slot {info.slot} {why}")
         if not quiet:
             self._loud = True
-            self.history.append(f"slot {info.slot} {why}")
         return Event("finished" if quiet else "dead", replica, why, kill=info.alive)
 
     def _find_dead(self, now: float) -> list[Event]:
@@ -263,7 +261,6 @@ class Lighthouse:
         self.left.add(replica)
         slot = self.replicas[replica].slot
         self._reasons.append(f"slot {slot} left (its own stop signal)")
-        self.history.append(f"slot {slot} left (its own stop signal)")
         self._loud = True
         return Event("left", replica, "its own stop signal")
 
