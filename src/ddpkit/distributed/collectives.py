@@ -100,6 +100,29 @@ def live_guarded(op: str) -> Callable[[_F], _F]:
     return decorate
 
 
+def broadcast_from_rank_zero(
+    tensors: Sequence[torch.Tensor], group: Any, *, device: torch.device | None = None
+) -> None:
+    """Copy rank 0's values into ``tensors`` on every rank of ``group``, in place: the tensors
+    flattened together, one ``broadcast`` per dtype (how DDP broadcasts a module's buffers).
+    ``device``: where the flat copy travels (the backend's device; default: the tensors').
+
+    Collective over ``group``: every rank passes tensors of the same shapes and dtypes, in the
+    same order. Empty tensors are skipped; nothing is sent when none is left.
+    """
+    by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+    for tensor in tensors:
+        if tensor.numel():
+            by_dtype.setdefault(tensor.dtype, []).append(tensor)
+    with torch.no_grad():
+        for same in by_dtype.values():
+            flat = torch.cat([t.detach().reshape(-1) for t in same])
+            flat = flat.to(device) if device is not None else flat
+            dist.broadcast(flat, group=group, group_src=0)
+            for tensor, part in zip(same, flat.split([t.numel() for t in same]), strict=True):
+                tensor.copy_(part.view_as(tensor))
+
+
 def _debug_enabled(runtime: Runtime) -> bool:
     return runtime.debug_collectives or os.environ.get(DEBUG_ENV, "") not in ("", "0")
 

@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from ddpkit.distributed.collectives import broadcast_from_rank_zero
 from ddpkit.errors import ConfigError
 
 BUCKET_BYTES = 25 * 1024 * 1024  # DDP's default bucket_cap_mb=25
@@ -105,17 +106,8 @@ def all_reduce_gradients(model: nn.Module, group: object, world_size: int) -> No
 
 
 def broadcast_buffers(model: nn.Module, group: object) -> None:
-    """Give every member rank 0's buffers (BatchNorm running statistics), one broadcast per
-    dtype: DDP broadcasts them before each forward (``broadcast_buffers=True``); here they are
-    sent after the step's forwards, so every replica ends the step bitwise equal, buffers
-    included. Collective over ``group``; nothing for a model without buffers."""
-    by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
-    for buffer in model.buffers():
-        if buffer.numel():
-            by_dtype.setdefault(buffer.dtype, []).append(buffer)
-    with torch.no_grad():
-        for buffers in by_dtype.values():
-            flat = torch.cat([b.reshape(-1) for b in buffers])
-            dist.broadcast(flat, group=group, group_src=0)
-            for buffer, part in zip(buffers, flat.split([b.numel() for b in buffers]), strict=True):
-                buffer.copy_(part.view_as(buffer))
+    """Give every member rank 0's buffers (BatchNorm running statistics): DDP broadcasts them
+    before each forward (``broadcast_buffers=True``); here they are sent after the step's
+    forwards, so every replica ends the step bitwise equal, buffers included. Collective over
+    ``group``; nothing for a model without buffers."""
+    broadcast_from_rank_zero(list(model.buffers()), group)

@@ -7,11 +7,10 @@ import contextlib
 from collections.abc import Callable, Iterable, Iterator
 
 import torch
-import torch.distributed as dist
 from torch import nn
 from torch.nn import functional as F
 
-from ddpkit.distributed.collectives import all_reduce_sum
+from ddpkit.distributed.collectives import all_reduce_sum, broadcast_from_rank_zero
 from ddpkit.distributed.process_group import Runtime
 from ddpkit.parallel.fsdp import gathered_for_eval
 from ddpkit.parallel.wrap import unwrap_model
@@ -112,16 +111,8 @@ def rank_zero_buffers(module: nn.Module, runtime: Runtime) -> Iterator[None]:
         yield
         return
     own = [b.detach().clone() for b in buffers] if not runtime.is_rank_zero else []
-    by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
-    for buffer in buffers:
-        by_dtype.setdefault(buffer.dtype, []).append(buffer)
-    with torch.no_grad():
-        for group in by_dtype.values():
-            flat = torch.cat([b.detach().reshape(-1) for b in group]).to(runtime.device)
-            with runtime.watch("evaluate: broadcast rank 0's buffers"):
-                dist.broadcast(flat, group=runtime.process_group, group_src=0)
-            for buffer, part in zip(group, flat.split([b.numel() for b in group]), strict=True):
-                buffer.copy_(part.view_as(buffer))
+    with runtime.watch("evaluate: broadcast rank 0's buffers"):
+        broadcast_from_rank_zero(buffers, runtime.process_group, device=runtime.device)
     try:
         yield
     finally:
