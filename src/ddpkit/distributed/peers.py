@@ -9,6 +9,8 @@ LOST_PEER = (*PEER_ENDED, "Broken pipe", "Timed out waiting")
 #: ... and while a group is built or torn down (live fault tolerance reads these too)
 LOST_PEER_ANY = (*LOST_PEER, "Read error", "Write error", "Socket closed", "connectFullMesh",
                  "Connection refused")  # fmt: skip
+#: ddpkit's own words for them (``Runtime.watch``'s DistributedError): a peer ended, went silent
+TOLD_ENDED, TOLD_SILENT = "a peer's process ended", "a peer stopped answering"
 
 
 def mentions(text: str, markers: tuple[str, ...] = LOST_PEER) -> bool:

@@ -40,7 +40,7 @@ from ddpkit.diagnostics.failures import (
 )
 from ddpkit.distributed.env import ProcessInfo, detect_process_info, slurm_rendezvous_defaults
 from ddpkit.distributed.hashseed import warn_if_str_hashes_differ
-from ddpkit.distributed.peers import PEER_ENDED, mentions
+from ddpkit.distributed.peers import PEER_ENDED, TOLD_ENDED, TOLD_SILENT, mentions
 from ddpkit.distributed.rendezvous import (
     check_local_route,
     check_world_size_limit,
@@ -243,14 +243,14 @@ class Runtime:
 
             mine = collective_in_traceback(exc) or op
             return DistributedError(
-                f"{op} failed on rank {self.rank}/{self.world_size}: a peer's process ended "
+                f"{op} failed on rank {self.rank}/{self.world_size}: {TOLD_ENDED} "
                 f"during it ({detail}). It raised, crashed or was aborted: when gloo aborts a "
                 "rank with 'Is there a distributed collective mismatch in your code?', the ranks "
                 f"called different collectives or passed different sizes (this rank: {mine}). "
                 "The first failure in the other ranks' output is the cause."
             )
         return DistributedError(
-            f"{op} failed on rank {self.rank}/{self.world_size}: a peer stopped answering "
+            f"{op} failed on rank {self.rank}/{self.world_size}: {TOLD_SILENT} "
             f"({detail}). {known[0].upper()}{known[1:]}. A peer died or hung, or the network "
             "between nodes went down; see the other ranks' output."
         )

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from ddpkit.diagnostics.failures import FailureRecord
-from ddpkit.distributed.peers import LOST_PEER
+from ddpkit.distributed.peers import LOST_PEER, PEER_ENDED, TOLD_ENDED, mentions
 from ddpkit.distributed.position import short_path
 
 if TYPE_CHECKING:
@@ -96,7 +96,7 @@ def _restart_can_help(crashes: dict[int, NativeCrash], records: list[FailureReco
     first = records[0]
     if first.type == "DeadlockError":
         return False
-    return first.type == "StallError" or any(word in first.message for word in _LOST_PEER)
+    return first.type == "StallError" or mentions(first.message, _LOST_PEER)
 
 
 def summarize_failure(
@@ -188,8 +188,7 @@ def _first_record_lines(
 def _peer_that_finished(first: FailureRecord, finished: set[int] | frozenset[int]) -> str | None:
     """The hint when the first failure is a peer's process ending and a peer ran to its end:
     no peer failed, the ranks made different numbers of collective calls."""
-    peer_ended = ("a peer's process ended", "Connection closed by peer", "Connection reset by peer")
-    if not finished or not any(words in first.message for words in peer_ended):
+    if not finished or not mentions(first.message, (TOLD_ENDED, *PEER_ENDED)):
         return None
     ranks = ", ".join(map(str, sorted(finished)))
     where = first.collective or "a collective"

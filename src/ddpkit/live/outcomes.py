@@ -6,19 +6,18 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from ddpkit.distributed.peers import LOST_PEER_ANY
+from ddpkit.distributed.peers import LOST_PEER_ANY, TOLD_ENDED, TOLD_SILENT, mentions
 from ddpkit.errors import DistributedError
 from ddpkit.live.protocol import Decision
 
-# gloo's, and ddpkit's own translation of them (Runtime.watch's DistributedError)
-_LOST_PEER = (*LOST_PEER_ANY, "a peer's process ended", "a peer stopped answering")
+_LOST_PEER = (*LOST_PEER_ANY, TOLD_ENDED, TOLD_SILENT)  # gloo's words, and ddpkit's for them
 
 
 def is_lost_peer(exc: BaseException) -> bool:
     """Whether ``exc`` (or what caused it) is a collective broken by a peer that died or hung."""
     seen: BaseException | None = exc
     while seen is not None:
-        if isinstance(seen, RuntimeError) and any(m in str(seen) for m in _LOST_PEER):
+        if isinstance(seen, RuntimeError) and mentions(str(seen), _LOST_PEER):
             return True
         seen = seen.__cause__
     return False
