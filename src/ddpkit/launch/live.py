@@ -248,11 +248,7 @@ def _watch(
             stop.count > 1 or time.monotonic() > stop_deadline
         ):  # a second signal, or the grace period is over: end it now
             pool.kill_all()
-        quorum = lighthouse.quorum
-        done = quorum is not None and all(
-            lighthouse.finished(m) for m in quorum.members if m not in lighthouse.unhealed
-        )
-        if done or not pool.running():  # replacements still waiting to join have no job left
+        if lighthouse.all_finished() or not pool.running():  # replacements still waiting to join have no job left
             pool.kill_all()
             return _finish(spec, pool, lighthouse, stop, run_dir, say)
         time.sleep(TICK_S)

@@ -171,8 +171,8 @@ class Lighthouse:
             return events
         alive = self.members_alive()
         if not alive:
-            finished = all(self.finished(m) for m in members if m not in self.unhealed)
-            return [*events, Event("done" if finished else "empty", why="; ".join(self._reasons))]
+            ending = "done" if self.all_finished() else "empty"
+            return [*events, Event(ending, why="; ".join(self._reasons))]
         joining = sorted(ready, key=self._slot) if admit else []  # only at a step boundary
         reasons = self._reasons + ([f"{len(joining)} replacement(s) taken in"] if joining else [])
         reasons += ["an operation failed"] if failed else []
@@ -181,6 +181,12 @@ class Lighthouse:
         loud = self._loud or bool(joining) or failed
         self._publish(quorum)
         return [*events, Event("quorum", quorum=quorum, quiet=not loud)]
+
+    def all_finished(self) -> bool:
+        """Whether every member of the current quorum (replacements not healed yet aside) ran
+        its script to the end."""
+        members = self.quorum.members if self.quorum is not None else ()
+        return bool(members) and all(self.finished(m) for m in members if m not in self.unhealed)
 
     def _slot(self, replica: str) -> int:
         return self.replicas[replica].slot
