@@ -47,6 +47,7 @@ from ddpkit.distributed.sampler import ShardedLoader
 from ddpkit.errors import ConfigError, DistributedError
 from ddpkit.parallel.fsdp import gradient_sync_off
 from ddpkit.training.dynamic import UnusedParameterDiagnosis
+from ddpkit.training.observe import StepTimer
 from ddpkit.training.precision import MixedPrecision
 
 
@@ -80,6 +81,8 @@ class GradientAccumulator:
             whose ranks share one batch size (equal shards), else false (one all-reduce of the
             counts per window).
         num_samples_fn: samples in a batch (default: first dimension of its first tensor).
+        timer: a :class:`~ddpkit.StepTimer` that counts the all-reduce of the sample counts as
+            ``comm_wait`` (it waits for the slowest rank's loader); ``None``: untimed.
 
     Raises:
         ConfigError: ``num_micro_steps`` is not a positive integer; or it is above 1 for a DDP
@@ -103,6 +106,7 @@ class GradientAccumulator:
         precision: MixedPrecision | None = None,
         same_batch_sizes: bool | None = None,
         num_samples_fn: Any = default_num_samples,
+        timer: StepTimer | None = None,
     ) -> None:
         if isinstance(num_micro_steps, bool) or not isinstance(num_micro_steps, int):
             num_micro_steps = -1
@@ -124,6 +128,7 @@ class GradientAccumulator:
         self.precision = precision or MixedPrecision("32", runtime)
         self.same_batch_sizes = same_batch_sizes
         self.num_samples_fn = num_samples_fn
+        self.timer = timer
         self.diagnosis = UnusedParameterDiagnosis(model, runtime)
         self._open_window: AccumulationWindow | None = None
         self._active: MicroStep | None = None
@@ -179,7 +184,8 @@ class GradientAccumulator:
     def _global_samples(self, num_local: int, same_batch_sizes: bool) -> int:
         if self.runtime.world_size == 1 or same_batch_sizes:
             return num_local * self.runtime.world_size
-        return int(all_reduce_sum([num_local], self.runtime)[0])
+        with self.timer.waiting() if self.timer else contextlib.nullcontext():
+            return int(all_reduce_sum([num_local], self.runtime)[0])
 
     def _register_hooks(self) -> list[Any]:
         return [

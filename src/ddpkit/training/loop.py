@@ -19,6 +19,7 @@ only when the loop asks for it), so a checkpoint taken there holds the loader's 
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 from collections.abc import Iterable, Iterator, Sized
 from typing import Any
@@ -88,7 +89,8 @@ def _results(
     if not join:
         _verify_even(step, batches, max_steps)
     timer = step.timer
-    with join_uneven_inputs(step.model, step.runtime, enable=join):
+    paused = step.stragglers.suspended() if join and step.stragglers else contextlib.nullcontext()
+    with paused, join_uneven_inputs(step.model, step.runtime, enable=join):
         windows = step.windows(batches)
         try:
             for _ in range(max_steps) if max_steps is not None else itertools.count():

@@ -20,11 +20,20 @@ A step (one optimizer step, i.e. one accumulation window) is split into four pha
 What the caller's loop does between steps (the LR schedule, checkpoints, replica checks,
 logging) is in no phase.
 
-Cost: on CPU a ``time.perf_counter`` pair per phase (well under a microsecond). On CUDA the
-kernels are asynchronous, so the timer calls ``torch.cuda.synchronize`` at every phase boundary
+Inside ``backward_comm``, the part spent waiting for the other ranks (``comm_wait``) is told
+apart when :meth:`StepTimer.watch_gradients` hooked the model's parameters: the wait runs from
+the moment this rank's last gradient was accumulated (its own backward is done; DDP's last
+bucket is launched) to the end of backward (DDP's all-reduce finished). The straggler detector
+(:mod:`ddpkit.training.stragglers`) reads it from each step's split.
+
+Cost: on CPU a ``time.perf_counter`` pair per phase (well under a microsecond) and one Python
+hook call per parameter per backward (about a microsecond each). On CUDA the kernels are
+asynchronous, so an enabled timer calls ``torch.cuda.synchronize`` at every phase boundary
 (four per micro-step): the GPU queue drains and the host no longer runs ahead, typically a few
-percent of the step time for small models. Pass ``enabled=False`` (``--step-timing off``) to
-avoid it; the loop then measures nothing.
+percent of the step time for small models. With ``enabled=False`` (``--step-timing off``) the
+timer still measures host time (no synchronisation; on CUDA that is the time the host spent,
+which names a slow data loader but not slow kernels) for the straggler detector, and reports
+nothing: :meth:`StepTimer.end_step` returns ``None`` and the epoch summary has no phases.
 
 Example:
     >>> timer = StepTimer(runtime)                                   # doctest: +SKIP
@@ -41,6 +50,7 @@ import resource
 import sys
 import time
 from collections.abc import Iterator
+from typing import Any
 
 import torch
 
@@ -48,6 +58,7 @@ from ddpkit.distributed.collectives import gather_per_rank
 from ddpkit.distributed.process_group import Runtime
 
 PHASES = ("data_wait", "forward", "backward_comm", "optimizer")
+COMM_WAIT = "comm_wait"  # the part of backward_comm spent waiting on other ranks (not a phase)
 
 
 def peak_memory_mb(device: torch.device) -> float:
@@ -73,26 +84,77 @@ class StepTimer:
 
     Args:
         runtime: the job's :class:`~ddpkit.Runtime` (its device decides whether to synchronize).
-        enabled: measure; ``False`` turns :meth:`phase` into a no-op (no CUDA synchronisation).
+        enabled: report the split (and on CUDA synchronize at phase boundaries); ``False``
+            measures host time only, for :attr:`last_split`, and reports nothing.
 
     Attributes:
         seconds: this rank's seconds per phase in the current epoch, summed over steps.
         num_steps: optimizer steps ended in the current epoch.
         num_samples: samples of those steps over all ranks (from the accumulation windows).
+        last_split: this rank's seconds per phase of the last ended step, plus ``comm_wait``
+            (0.0 unless :meth:`watch_gradients` hooked the model or :meth:`waiting` timed a
+            collective); measured also when disabled.
+        last_wait: of :attr:`last_split`'s ``comm_wait``, the part inside each phase.
     """
 
     def __init__(self, runtime: Runtime, enabled: bool = True) -> None:
         self.runtime = runtime
         self.enabled = enabled
         self._sync = enabled and runtime.device.type == "cuda"
+        self._grad_ready_at = 0.0  # perf_counter of the last gradient accumulated
+        self._open: str | None = None  # the phase being timed now
+        self._hooks: list[Any] = []
+        self.last_split: dict[str, float] = {**dict.fromkeys(PHASES, 0.0), COMM_WAIT: 0.0}
+        self.last_wait: dict[str, float] = dict.fromkeys(PHASES, 0.0)
         self.reset()
+
+    def watch_gradients(self, model: torch.nn.Module) -> None:
+        """Hook ``model``'s parameters so that ``backward_comm`` splits off ``comm_wait``.
+
+        A ``register_post_accumulate_grad_hook`` (torch >= 2.1) on every parameter that
+        requires a gradient records when it was accumulated; sharded (FSDP) parameters are left
+        out, their gradients arrive through FSDP's reduce-scatter. Call once per model; a no-op
+        on torch without the hook.
+        """
+        if self._hooks:
+            return
+        for param in model.parameters():
+            if not param.requires_grad or not hasattr(param, "register_post_accumulate_grad_hook"):
+                continue
+            if type(param) is not torch.nn.Parameter and type(param.data) is not torch.Tensor:
+                continue  # a DTensor: FSDP's reduce-scatter delivers it
+            self._hooks.append(param.register_post_accumulate_grad_hook(self._grad_ready))
+
+    def _grad_ready(self, _param: torch.Tensor) -> None:
+        self._grad_ready_at = time.perf_counter()
+
+    def unwatch(self) -> None:
+        """Remove the hooks of :meth:`watch_gradients` (safe to call twice)."""
+        for handle in self._hooks:
+            handle.remove()
+        self._hooks = []
 
     def reset(self) -> None:
         """Zero the per-epoch sums and counts."""
         self.seconds = dict.fromkeys(PHASES, 0.0)
         self.num_steps = 0
         self.num_samples = 0
-        self._step_seconds = dict.fromkeys(PHASES, 0.0)
+        self._step_seconds = {**dict.fromkeys(PHASES, 0.0), COMM_WAIT: 0.0}
+        self._step_wait = dict.fromkeys(PHASES, 0.0)
+
+    @contextlib.contextmanager
+    def waiting(self) -> Iterator[None]:
+        """Count the ``with`` body (a small collective inside a phase, e.g. the all-reduce of a
+        window's sample count) as ``comm_wait`` of the phase being timed; host time, no
+        synchronisation. Outside a phase it counts nowhere."""
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            if self._open is not None:
+                elapsed = time.perf_counter() - start
+                self._step_seconds[COMM_WAIT] += elapsed
+                self._step_wait[self._open] += elapsed
 
     @contextlib.contextmanager
     def phase(self, name: str) -> Iterator[None]:
@@ -101,20 +163,20 @@ class StepTimer:
         Raises:
             KeyError: ``name`` is not one of :data:`PHASES`.
         """
-        if not self.enabled:
-            yield
-            return
         if name not in self.seconds:
             raise KeyError(f"unknown step phase: name={name!r}. Allowed: {', '.join(PHASES)}.")
         self._synchronize()
-        start = time.perf_counter()
+        start, outer, self._open = time.perf_counter(), self._open, name
         try:
             yield
         finally:
             self._synchronize()
-            elapsed = time.perf_counter() - start
-            self.seconds[name] += elapsed
-            self._step_seconds[name] += elapsed
+            end, self._open = time.perf_counter(), outer
+            self.seconds[name] += end - start
+            self._step_seconds[name] += end - start
+            if name == "backward_comm" and start < self._grad_ready_at <= end:
+                self._step_seconds[COMM_WAIT] += end - self._grad_ready_at
+                self._step_wait[name] += end - self._grad_ready_at
 
     def _synchronize(self) -> None:
         if self._sync:
@@ -124,13 +186,15 @@ class StepTimer:
         """Count one optimizer step of ``num_samples_global`` samples (all ranks).
 
         Returns:
-            This rank's seconds per phase since the previous ``end_step`` (the step's split),
-            or ``None`` when the timer is disabled.
+            This rank's seconds per phase since the previous ``end_step`` (the step's split;
+            ``comm_wait`` is in :attr:`last_split`), or ``None`` when the timer is disabled.
         """
         self.num_steps += 1
         self.num_samples += num_samples_global
-        split, self._step_seconds = self._step_seconds, dict.fromkeys(PHASES, 0.0)
-        return split if self.enabled else None
+        self.last_split, self.last_wait = self._step_seconds, self._step_wait
+        self._step_seconds = {**dict.fromkeys(PHASES, 0.0), COMM_WAIT: 0.0}
+        self._step_wait = dict.fromkeys(PHASES, 0.0)
+        return {name: self.last_split[name] for name in PHASES} if self.enabled else None
 
     def epoch_summary(self, runtime: Runtime | None = None) -> dict[str, float]:
         """The epoch's phase times (mean over ranks) and peak memory (max over ranks); resets.

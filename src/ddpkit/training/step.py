@@ -42,6 +42,7 @@ from ddpkit.training.accumulation import (
 )
 from ddpkit.training.observe import StepTimer
 from ddpkit.training.precision import MixedPrecision
+from ddpkit.training.stragglers import StragglerDetector
 
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
@@ -150,11 +151,17 @@ class TrainStep:
         guard: a :class:`~ddpkit.guards.nonfinite.NonFiniteGuard` deciding, across ranks,
             whether a step with a NaN/Inf loss or gradient is skipped or raises (``None``: no
             check, no all-reduce). Not with ``16-mixed``, whose scaler skips such steps.
-        timer: a :class:`~ddpkit.StepTimer` splitting each step's time (``None``: untimed).
+        timer: a :class:`~ddpkit.StepTimer` splitting each step's time (``None``: a timer
+            that measures host time for the straggler detector and reports nothing).
         start_step: optimizer steps already taken (after a resume); the next step is
             ``start_step + 1``.
         same_batch_sizes: see :class:`~ddpkit.GradientAccumulator`.
         num_samples_fn: see :class:`~ddpkit.GradientAccumulator`.
+        stragglers: name a rank whose data loading or compute is persistently slower than the
+            others' (:mod:`ddpkit.training.stragglers`): ``True`` (default) builds a
+            :class:`~ddpkit.training.stragglers.StragglerDetector` with its defaults when the
+            world size is above 1 and fault tolerance is not live; pass one to set its rule;
+            ``False``: off.
 
     Each batch is ``(inputs, targets)``, moved to ``runtime.device`` in the step.
 
@@ -163,6 +170,7 @@ class TrainStep:
         precision: the :class:`~ddpkit.MixedPrecision` the step uses.
         accumulator: the :class:`~ddpkit.GradientAccumulator` that forms the windows.
         timer: the step timer (a disabled one when none was given).
+        stragglers: the straggler detector, or ``None``.
 
     Raises:
         ConfigError: ``num_micro_steps`` is not a positive integer, or above 1 with DDP's
@@ -192,21 +200,25 @@ class TrainStep:
         start_step: int = 0,
         same_batch_sizes: bool | None = None,
         num_samples_fn: Callable[[Any], int] = default_num_samples,
+        stragglers: StragglerDetector | bool = True,
     ) -> None:
         self.model = model
         self.optimizer = optimizer
         self.runtime = runtime
         self.precision = precision or MixedPrecision("32", runtime)
         check_strategy_pairing(model, optimizer, self.precision)
+        self.timer = timer or StepTimer(runtime, enabled=False)
         self.accumulator = GradientAccumulator(
             model, runtime, num_micro_steps=num_micro_steps, precision=self.precision,
-            same_batch_sizes=same_batch_sizes, num_samples_fn=num_samples_fn,
+            same_batch_sizes=same_batch_sizes, num_samples_fn=num_samples_fn, timer=self.timer,
         )  # fmt: skip
         self.loss_fn = loss_fn
         self.clip_grad_norm = clip_grad_norm
         self.guard = guard
-        self.timer = timer or StepTimer(runtime, enabled=False)
         self.num_steps = start_step
+        self.stragglers = _straggler_detector(stragglers, runtime)
+        if self.stragglers is not None:
+            self.timer.watch_gradients(model)  # comm_wait: split off the backward
 
     @property
     def num_micro_steps(self) -> int:
@@ -247,6 +259,9 @@ class TrainStep:
         self.num_steps += 1
         with timer.phase("optimizer"):
             stepped, grad_norm = self._update(window_loss)
+        phase_s = timer.end_step(window.num_samples)
+        if self.stragglers is not None:  # collective every `window` steps
+            self.stragglers.observe(self.num_steps, timer.last_split, timer.last_wait, num_samples)
         return StepResult(
             step=self.num_steps,
             loss_sums=tuple(loss_sums),
@@ -254,7 +269,7 @@ class TrainStep:
             num_samples_global=window.num_samples,
             skipped=not stepped,
             grad_norm=grad_norm,
-            phase_s=timer.end_step(window.num_samples),
+            phase_s=phase_s,
         )
 
     def _micro_steps(self, window: AccumulationWindow) -> tuple[torch.Tensor, list[float], int]:
@@ -282,10 +297,11 @@ class TrainStep:
 
     def _update(self, window_loss: torch.Tensor) -> tuple[bool, float | None]:
         """The guard's decision, then unscale/clip/step: ``(stepped, grad_norm)``."""
-        if self.guard is not None and not self.guard.check(
-            self.num_steps, window_loss, model=self.model
-        ):
-            return False, None
+        if self.guard is not None:
+            with self.timer.waiting():  # an all-reduce of the ranks' findings
+                ok = self.guard.check(self.num_steps, window_loss, model=self.model)
+            if not ok:
+                return False, None
         update = self.precision.step(self.optimizer, self.model, max_norm=self.clip_grad_norm)
         return update.stepped, update.grad_norm
 
@@ -342,3 +358,15 @@ class TrainStep:
             phase_s=phase_s,
             loss_global=decision.loss_sum / max(decision.num_samples, 1),
         )
+
+
+def _straggler_detector(
+    stragglers: StragglerDetector | bool, runtime: Runtime
+) -> StragglerDetector | None:
+    """``TrainStep``'s detector: the one given, a default one, or ``None`` (off, a single
+    process, or live fault tolerance, whose quorum may change between two exchanges)."""
+    if isinstance(stragglers, StragglerDetector):
+        return stragglers
+    if not stragglers or runtime.world_size == 1 or runtime.live is not None:
+        return None
+    return StragglerDetector(runtime)
