@@ -159,9 +159,9 @@ class TrainStep:
         num_samples_fn: see :class:`~ddpkit.GradientAccumulator`.
         stragglers: name a rank whose data loading or compute is persistently slower than the
             others' (:mod:`ddpkit.training.stragglers`): ``True`` (default) builds a
-            :class:`~ddpkit.training.stragglers.StragglerDetector` with its defaults when the
-            world size is above 1 and fault tolerance is not live; pass one to set its rule;
-            ``False``: off.
+            :class:`~ddpkit.training.stragglers.StragglerDetector` with its defaults; pass one
+            to set its rule; ``False``: off. Off whatever is passed at world size 1 and with
+            live fault tolerance.
 
     Each batch is ``(inputs, targets)``, moved to ``runtime.device`` in the step.
 
@@ -365,8 +365,6 @@ def _straggler_detector(
 ) -> StragglerDetector | None:
     """``TrainStep``'s detector: the one given, a default one, or ``None`` (off, a single
     process, or live fault tolerance, whose quorum may change between two exchanges)."""
-    if isinstance(stragglers, StragglerDetector):
-        return stragglers
     if not stragglers or runtime.world_size == 1 or runtime.live is not None:
         return None
-    return StragglerDetector(runtime)
+    return stragglers if isinstance(stragglers, StragglerDetector) else StragglerDetector(runtime)

@@ -56,6 +56,10 @@ def _stop_signals_rule(value: str) -> str | None:
     return None
 
 
+def _straggler_window_rule(steps: int) -> str | None:
+    return None if steps == 0 or steps >= 3 else "must be 0 (off) or >= 3 (optimizer steps)"
+
+
 def _resume_rule(value: str) -> str | None:
     ok = value in ("", "auto") or Path(value).is_dir()
     return None if ok else "is neither '' (start fresh), 'auto' nor a checkpoint folder"
@@ -327,6 +331,17 @@ class ObserveConfig:
         "auto", "auto (default): TensorBoard event files in OUTPUT_DIR/tensorboard when the "
         "tensorboard package is installed (pip install 'ddpkit[tensorboard]'); off",
         choices=TENSORBOARD_MODES,
+    )  # fmt: skip
+    straggler_window: int = option(
+        20, "name a rank whose data loading or compute is persistently slower than the "
+        "others' (one warning line; summary.json stragglers; per-rank figures in ranks.jsonl): "
+        "optimizer steps per comparison window (default %(default)s; 0 = off)",
+        check=_straggler_window_rule, metavar="N",
+    )  # fmt: skip
+    straggler_factor: float = option(
+        1.25, "a rank is slow when its median data or compute time per step is at least this "
+        "many times the other ranks' (and costs >= 10%% of a step; default %(default)s)",
+        check=finite(above=1), metavar="X",
     )  # fmt: skip
 
 

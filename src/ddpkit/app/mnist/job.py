@@ -50,6 +50,7 @@ from ddpkit.training.loop import train_epoch
 from ddpkit.training.observe import StepTimer
 from ddpkit.training.precision import MixedPrecision
 from ddpkit.training.step import TrainStep
+from ddpkit.training.stragglers import StragglerDetector
 
 FAULT_ENV = "DDPKIT_FAULT_INJECT"
 
@@ -163,6 +164,15 @@ def _ddp_options(config: TrainConfig, runtime: Runtime) -> dict:
         return {}
     options = {"find_unused_parameters": config.find_unused_parameters}
     return {**options, "static_graph": config.static_graph}
+
+
+def _straggler_detector(config: TrainConfig, runtime: Runtime) -> StragglerDetector | bool:
+    """``--straggler-window``/``--straggler-factor``'s detector (``False``: off)."""
+    if not config.straggler_window:
+        return False
+    return StragglerDetector(
+        runtime, window=config.straggler_window, factor=config.straggler_factor
+    )
 
 
 def _comm_bytes(stats: CommStats | None) -> float:
@@ -354,8 +364,9 @@ def train_mnist(config: TrainConfig, runtime: Runtime, source: DataSource) -> di
     train_step = TrainStep(
         job.model, job.optimizer, runtime=runtime, num_micro_steps=config.grad_accum,
         precision=job.precision, clip_grad_norm=config.clip_grad_norm, guard=guard,
-        timer=timer, start_step=first_step,
+        timer=timer, start_step=first_step, stragglers=_straggler_detector(config, runtime),
     )  # fmt: skip
+    monitor.watch_ranks(train_step.stragglers)
     _log_setup(config, runtime, source.dataset, job)
     check_grace_period(job.ckpt, runtime)
     job.goodput = Goodput(output_dir, runtime, first_step)
@@ -384,6 +395,8 @@ def train_mnist(config: TrainConfig, runtime: Runtime, source: DataSource) -> di
         ),
     }
     summary = {k: finite_or_none(v) if isinstance(v, float) else v for k, v in summary.items()}
+    stragglers = train_step.stragglers
+    summary["stragglers"] = stragglers.summary() if stragglers is not None else None
     summary["goodput"] = job.goodput.finish("completed", job.ckpt.save_s)
     summary["config"] = asdict(config)
     if summary["goodput"]:

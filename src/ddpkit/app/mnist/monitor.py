@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import sys
 import time
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
@@ -21,6 +22,7 @@ from ddpkit.distributed.sampler import ShardedLoader
 from ddpkit.log import get_logger
 from ddpkit.training.observe import StepTimer
 from ddpkit.training.step import StepResult
+from ddpkit.training.stragglers import RankWindow, StragglerDetector
 
 PROGRESS_MODES = ("auto", "on", "off")
 TENSORBOARD_MODES = ("auto", "off")
@@ -118,6 +120,19 @@ class TrainingMonitor:
         self.epoch = 0
         self._since_log = [0.0, 0.0]  # this rank's loss sum and samples since the last record
         self._log_mark = (time.perf_counter(), 0)  # (time, timer.num_samples) at the last record
+
+    def watch_ranks(self, detector: StragglerDetector | None) -> None:
+        """Rank 0 appends each straggler window's per-rank figures to ``ranks.jsonl``/``.csv``
+        (one record per rank: ``step``, ``rank``, ``host``, ``data_s``, ``compute_s``,
+        ``comm_wait_s``, ``step_s``: median seconds per step; ``samples_per_s``)."""
+        if detector is None or not self.runtime.is_rank_zero:
+            return
+        detector.listeners.append(self._rank_records)
+
+    def _rank_records(self, ranks: list[RankWindow]) -> None:
+        for rank in ranks:
+            record = {key: value for key, value in asdict(rank).items() if key != "last_step_time"}
+            append_record(self.output_dir, "ranks", {"step": record.pop("step"), **record})
 
     def start_epoch(self, epoch: int, num_epochs: int, loader: ShardedLoader) -> None:
         """Open the epoch's progress bar (rank 0) before the epoch's first step."""

@@ -1,7 +1,8 @@
 """What ``ddpkit train`` writes to its output folder, and the clean-up of an earlier run's files.
 
 ``metrics.jsonl``/``metrics.csv`` hold one record per epoch (key ``epoch``), ``steps.jsonl``/
-``steps.csv`` one per ``log_every`` optimizer steps (key ``step``): the same records in both
+``steps.csv`` one per ``log_every`` optimizer steps (key ``step``), ``ranks.jsonl``/``ranks.csv``
+one per rank per straggler window (keys ``step`` and ``rank``): the same records in both
 formats, the CSV header taken from the first record. ``summary.json`` is written atomically,
 ``tensorboard/`` holds the event files. Rank 0 writes; the others wait where noted."""
 
@@ -23,7 +24,8 @@ def finite_or_none(value: float) -> float | None:
     return value if math.isfinite(value) else None  # JSON has no NaN/Inf
 
 
-RECORD_FILES = {"metrics": "epoch", "steps": "step"}  # file stem -> the record's counter key
+# file stem -> the record's counter key; ranks: each rank's straggler window figures
+RECORD_FILES = {"metrics": "epoch", "steps": "step", "ranks": "step"}
 
 
 def reset_outputs(
