@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Create .venv and install ddpkit into it: the CPU build of torch first (so pip never pulls a
-# multi-GB CUDA build on a CPU machine), then the package with the digits, test, bench (Accelerate, Lightning Fabric)
-# and tensorboard extras.
+# multi-GB CUDA build on a CPU machine), then the package with the digits, test, bench (Accelerate, Lightning Fabric),
+# tensorboard and exporter (prometheus, mlflow, wandb) extras.
 #   bash scripts/setup.sh            # idempotent; re-run after pulling
 # torch comes from a local wheel when pip's find-links has one (this project's CI machines), else
 # from PyTorch's CPU index. On a GPU machine, set DDPKIT_TORCH_SPEC="" and install the CUDA torch
@@ -31,7 +31,7 @@ import ddpkit, sys
 sys.exit(0 if ddpkit.__file__.startswith("$PWD/src/") else 1)
 PY
 then
-  "${PIP[@]}" -e ".[digits,test,bench,tensorboard]"
+  "${PIP[@]}" -e ".[digits,test,bench,tensorboard,prometheus,mlflow,wandb]"
   echo "$want" > "$stamp"
 fi
 .venv/bin/python -c "import torch, ddpkit; print(f'ddpkit {ddpkit.__version__} with torch {torch.__version__} in .venv')"

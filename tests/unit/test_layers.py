@@ -29,6 +29,7 @@ LAYERS = (
         "guards",
         "checkpoint",
         "live",  # live fault tolerance: the worker's membership and the launcher's lighthouse
+        "monitoring",  # Prometheus endpoint and experiment trackers (optional libraries)
     ),
     ("launch",),  # ddpkit run, the worker bootstrap, the process spawner, doctor
     ("app",),  # the MNIST job of ddpkit train
