@@ -61,6 +61,7 @@ from ddpkit.training.loop import train_epoch
 from ddpkit.training.observe import StepTimer, peak_memory_mb
 from ddpkit.training.precision import MixedPrecision
 from ddpkit.training.step import StepResult, TrainStep
+from ddpkit.training.stragglers import StragglerDetector
 from ddpkit.training.uneven import UnevenInputsError, join_uneven_inputs, verify_even_batches
 
 __version__ = "0.1.0"
@@ -86,6 +87,7 @@ __all__ = [
     "StallError",
     "StepResult",
     "StepTimer",
+    "StragglerDetector",
     "TrainStep",
     "TrainingStopped",
     "UnevenInputsError",

@@ -248,7 +248,8 @@ def _watch(
             stop.count > 1 or time.monotonic() > stop_deadline
         ):  # a second signal, or the grace period is over: end it now
             pool.kill_all()
-        if lighthouse.all_finished() or not pool.running():  # replacements still waiting to join have no job left
+        # replacements still waiting to join have no job left
+        if lighthouse.all_finished() or not pool.running():
             pool.kill_all()
             return _finish(spec, pool, lighthouse, stop, run_dir, say)
         time.sleep(TICK_S)

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib
+import logging
 import math
 import numbers
 import os
@@ -84,6 +85,9 @@ class _MlflowRun:
         from mlflow.entities import Param
         from mlflow.exceptions import MlflowException
 
+        # its store's set-up lines ("Creating initial MLflow database tables...") are noise in
+        # a training job's output; its warnings stay
+        logging.getLogger("mlflow").setLevel(logging.WARNING)
         user_uri = os.environ.get("MLFLOW_TRACKING_URI")
         self.tracking_uri = user_uri or f"sqlite:///{(output_dir / 'mlflow.db').resolve()}"
         artifacts = None if user_uri else str((output_dir / "mlartifacts").resolve())
@@ -236,8 +240,12 @@ def _imports(module: str) -> bool:
     return True
 
 
-def _check_names(names: list[str]) -> list[str]:
-    """The trackers asked for (deduplicated, lower case) once each library imports."""
+def check_tracker_names(names: list[str]) -> list[str]:
+    """The trackers asked for (deduplicated, lower case) once each library imports.
+
+    Raises:
+        ConfigError: an unknown name (the allowed ones listed); a library not installed.
+    """
     wanted = list(dict.fromkeys(n.strip().lower() for n in names if n.strip()))
     unknown = [n for n in wanted if n not in TRACKERS]
     if unknown:
@@ -279,7 +287,7 @@ def open_trackers(
         >>> with open_trackers(["wandb"], out, run_name="r", config=cfg) as t:  # doctest: +SKIP
         ...     t.log_metrics({"train_loss": 0.3}, step=1)
     """
-    wanted = _check_names(names)
+    wanted = check_tracker_names(names)
     output_dir = Path(output_dir)
     output_dir.mkdir(parents=True, exist_ok=True)
     opened: list[_MlflowRun | _WandbRun] = []

@@ -261,7 +261,9 @@ class TrainStep:
             stepped, grad_norm = self._update(window_loss)
         phase_s = timer.end_step(window.num_samples)
         if self.stragglers is not None:  # collective every `window` steps
-            self.stragglers.observe(self.num_steps, timer.last_split, timer.last_wait, num_samples)
+            self.stragglers.observe(
+                self.num_steps, timer.last_split, waits=timer.last_wait, num_samples=num_samples
+            )
         return StepResult(
             step=self.num_steps,
             loss_sums=tuple(loss_sums),

@@ -194,6 +194,7 @@ class StragglerDetector:
         self,
         step: int,
         split: Mapping[str, float],
+        *,
         waits: Mapping[str, float],
         num_samples: int,
     ) -> None:

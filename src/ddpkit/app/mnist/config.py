@@ -24,6 +24,7 @@ from ddpkit.distributed.process_group import BACKENDS
 from ddpkit.distributed.stop import parse_stop_signals
 from ddpkit.errors import ConfigError
 from ddpkit.files import unwritable_ancestor
+from ddpkit.monitoring.trackers import check_tracker_names
 from ddpkit.parallel.comm import GRAD_COMPRESSIONS
 from ddpkit.parallel.wrap import STRATEGIES
 from ddpkit.settings import at_least, field_problems, finite, option, resume_keys
@@ -58,6 +59,18 @@ def _stop_signals_rule(value: str) -> str | None:
 
 def _straggler_window_rule(steps: int) -> str | None:
     return None if steps == 0 or steps >= 3 else "must be 0 (off) or >= 3 (optimizer steps)"
+
+
+def _port_rule(port: int) -> str | None:
+    return None if 0 <= port <= 65535 else "must be a TCP port 1-65535, or 0 for any free one"
+
+
+def _tracker_rule(value: str) -> str | None:
+    try:
+        check_tracker_names(value.split(","))
+    except ConfigError as error:
+        return f"is not usable: {str(error).rstrip('.')}"
+    return None
 
 
 def _resume_rule(value: str) -> str | None:
@@ -337,6 +350,22 @@ class ObserveConfig:
         "others' (one warning line; summary.json stragglers; per-rank figures in ranks.jsonl): "
         "optimizer steps per comparison window (default %(default)s; 0 = off)",
         check=_straggler_window_rule, metavar="N",
+    )  # fmt: skip
+    metrics_port: int | None = option(
+        None, "serve every rank's step, samples/s, step-time phases, last-step time, goodput "
+        "and guard events for Prometheus at http://HOST:PORT/metrics from rank 0 (0 = any free "
+        "port, logged; default: no endpoint; pip install 'ddpkit[prometheus]')",
+        check=_port_rule, metavar="PORT",
+    )  # fmt: skip
+    metrics_host: str = option(
+        "127.0.0.1", "the address the metrics endpoint listens on (default %(default)s: this "
+        "machine only); the one address of this machine Prometheus scrapes", metavar="HOST",
+    )  # fmt: skip
+    tracker: str = option(
+        "", "log the config, every epoch's metrics and the summary from rank 0 to these "
+        "experiment trackers: mlflow (OUTPUT_DIR/mlflow.db unless MLFLOW_TRACKING_URI is set), "
+        "wandb (offline in OUTPUT_DIR/wandb unless WANDB_MODE is set); comma-separated; pip "
+        "install 'ddpkit[mlflow]' / 'ddpkit[wandb]'", check=_tracker_rule, metavar="NAMES",
     )  # fmt: skip
     straggler_factor: float = option(
         1.25, "a rank is slow when its median data or compute time per step is at least this "

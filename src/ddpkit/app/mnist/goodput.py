@@ -119,6 +119,13 @@ class Goodput:
             return live_split(self.record, vars(live.counters)) if self.runtime.is_rank_zero else {}
         return summarize(read_attempts(self.folder)) if self.writer else {}
 
+    def so_far(self) -> float | None:
+        """The run's goodput through the last step (productive over wall time, every attempt
+        so far; rank 0, ``None`` elsewhere and with live fault tolerance)."""
+        if not self.writer:
+            return None
+        return summarize(read_attempts(self.folder)).get("goodput")
+
     def _write(self) -> None:
         if self._fd is None:
             return

@@ -26,6 +26,7 @@ from torch.nn.parallel import DistributedDataParallel
 from ddpkit.app.mnist.config import TrainConfig, check
 from ddpkit.app.mnist.data import DataSource
 from ddpkit.app.mnist.epoch_meter import EpochMeter, coverage_note
+from ddpkit.app.mnist.exporting import Exporters, exporter_settings
 from ddpkit.app.mnist.goodput import Goodput, goodput_line
 from ddpkit.app.mnist.model import build_model, build_optimizer, optimizer_spec
 from ddpkit.app.mnist.monitor import TrainingMonitor
@@ -355,18 +356,7 @@ def train_mnist(config: TrainConfig, runtime: Runtime, source: DataSource) -> di
     if not replacement:  # a live replacement joins a running job: its outputs stand
         epoch = job.train_loader.epoch if first_step else None
         reset_outputs(output_dir, runtime, epoch, first_step)
-    timer = StepTimer(runtime, enabled=config.step_timing)
-    monitor = TrainingMonitor(
-        output_dir, runtime, timer, job.inner_optimizer, first_step,
-        config.log_every, config.progress, config.tensorboard,
-    )  # fmt: skip
-    guard = None if config.on_nonfinite == "off" else NonFiniteGuard(runtime, config.on_nonfinite)
-    train_step = TrainStep(
-        job.model, job.optimizer, runtime=runtime, num_micro_steps=config.grad_accum,
-        precision=job.precision, clip_grad_norm=config.clip_grad_norm, guard=guard,
-        timer=timer, start_step=first_step, stragglers=_straggler_detector(config, runtime),
-    )  # fmt: skip
-    monitor.watch_ranks(train_step.stragglers)
+    train_step, monitor = _build_step(config, runtime, job, first_step)
     _log_setup(config, runtime, source.dataset, job)
     check_grace_period(job.ckpt, runtime)
     job.goodput = Goodput(output_dir, runtime, first_step)
@@ -402,23 +392,52 @@ def train_mnist(config: TrainConfig, runtime: Runtime, source: DataSource) -> di
     if summary["goodput"]:
         get_logger("train").info(goodput_line(summary["goodput"]))
     _write_outputs(output_dir, runtime, job.model, summary)
+    monitor.exporters.finish(summary)
     return summary
+
+
+def _build_step(
+    config: TrainConfig, runtime: Runtime, job: MnistTraining, first_step: int
+) -> tuple[TrainStep, TrainingMonitor]:
+    """The step (timer, non-finite guard, straggler detector) and what watches it (records,
+    progress bar, TensorBoard, the Prometheus endpoint and trackers when asked for)."""
+    timer = StepTimer(runtime, enabled=config.step_timing)
+    output_dir = Path(config.output_dir)
+    monitor = TrainingMonitor(
+        output_dir, runtime, timer, job.inner_optimizer, first_step,
+        config.log_every, config.progress, config.tensorboard,
+        exporters=Exporters(runtime, output_dir, **exporter_settings(config)),
+    )  # fmt: skip
+    guard = None if config.on_nonfinite == "off" else NonFiniteGuard(runtime, config.on_nonfinite)
+    train_step = TrainStep(
+        job.model, job.optimizer, runtime=runtime, num_micro_steps=config.grad_accum,
+        precision=job.precision, clip_grad_norm=config.clip_grad_norm, guard=guard,
+        timer=timer, start_step=first_step, stragglers=_straggler_detector(config, runtime),
+    )  # fmt: skip
+    monitor.watch_ranks(train_step.stragglers)
+    return train_step, monitor
 
 
 @contextlib.contextmanager
 def _where_it_stopped(
     config: TrainConfig, job: MnistTraining, train_step: TrainStep, monitor: TrainingMonitor
 ) -> Iterator[None]:
-    """A stop signal's (#14) or Ctrl-C's (#16) step and epoch, for the launcher's one line."""
+    """A stop signal's (#14) or Ctrl-C's (#16) step and epoch, for the launcher's one line;
+    the tracker runs of a job that did not finish end as KILLED (a stop) or FAILED."""
     try:
         yield
     except TrainingStopped as stopped:
         stopped.note = _epoch_note(config, job, train_step)
         job.goodput.finish("stopped", job.ckpt.save_s)
+        monitor.exporters.close("KILLED")
         raise
     except KeyboardInterrupt:
         note = _epoch_note(config, job, train_step)
+        monitor.exporters.close("KILLED")
         raise KeyboardInterrupt(f"after step {train_step.num_steps} {note}") from None
+    except BaseException:
+        monitor.exporters.close("FAILED")
+        raise
     finally:
         monitor.close()
 
@@ -477,7 +496,7 @@ def _train_epochs(
             "whole_epoch": figures["whole_epoch"],
         }
         _log_epoch(record, config.epochs, coverage_note(figures, train_step.num_steps))
-        monitor.end_epoch(record, train_step.num_steps)
+        monitor.end_epoch(record, train_step.num_steps, goodput=job.goodput.so_far())
     return test, train_time_s, samples_total
 
 

@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 
+from ddpkit.app.mnist.exporting import Exporters
 from ddpkit.app.mnist.outputs import append_record
 from ddpkit.distributed.collectives import all_reduce_sum
 from ddpkit.distributed.process_group import Runtime
@@ -106,6 +107,7 @@ class TrainingMonitor:
         log_every: int = 50,
         progress: str = "auto",
         tensorboard: str = "auto",
+        exporters: Exporters | None = None,
     ) -> None:
         self.output_dir = output_dir
         self.runtime = runtime
@@ -116,6 +118,7 @@ class TrainingMonitor:
         self.writer = open_tensorboard(
             output_dir, runtime, tensorboard, first_step + 1 if first_step else None
         )
+        self.exporters = exporters or Exporters.off(runtime)
         self.bar: Any = None
         self.epoch = 0
         self._since_log = [0.0, 0.0]  # this rank's loss sum and samples since the last record
@@ -125,6 +128,7 @@ class TrainingMonitor:
         """Rank 0 appends each straggler window's per-rank figures to ``ranks.jsonl``/``.csv``
         (one record per rank: ``step``, ``rank``, ``host``, ``data_s``, ``compute_s``,
         ``comm_wait_s``, ``step_s``: median seconds per step; ``samples_per_s``)."""
+        self.exporters.watch(detector)
         if detector is None or not self.runtime.is_rank_zero:
             return
         detector.listeners.append(self._rank_records)
@@ -148,6 +152,7 @@ class TrainingMonitor:
         Collective: call on every rank (the record's loss is all-reduced).
         """
         timer = self.timer
+        self.exporters.on_step(result)
         self._since_log[0] += result.loss_sum
         self._since_log[1] += result.num_samples
         if self.bar is not None:
@@ -176,12 +181,14 @@ class TrainingMonitor:
             self.bar.close()
             self.bar = None
 
-    def end_epoch(self, record: dict, step: int) -> None:
-        """Close the bar; rank 0 appends the epoch ``record`` and its TensorBoard scalars."""
+    def end_epoch(self, record: dict, step: int, *, goodput: float | None = None) -> None:
+        """Close the bar; rank 0 appends the epoch ``record`` and its TensorBoard scalars, and
+        hands both (and the run's ``goodput`` so far) to the exporters."""
         self.close_bar()
         if self.runtime.is_rank_zero:
             append_record(self.output_dir, "metrics", record)
             self._scalars("epoch", record, step)
+            self.exporters.on_epoch(record, step, goodput=goodput)
 
     def _scalars(self, prefix: str, record: dict, step: int) -> None:
         if self.writer is None:
@@ -195,7 +202,8 @@ class TrainingMonitor:
         self.writer.flush()
 
     def close(self) -> None:
-        """Close the bar and the TensorBoard writer (safe to call twice)."""
+        """Close the bar and the TensorBoard writer (safe to call twice); the exporters stay
+        open for the summary (``Exporters.finish``)."""
         self.close_bar()
         if self.writer is not None:
             self.writer.close()
