@@ -4,10 +4,11 @@ Run it::
 
     ddpkit train --nproc 2 --epochs 3 --output-dir runs/mnist
     ddpkit plot runs/mnist                   # writes loss.png, accuracy.png, throughput.png,
-                                             # step_time.png into runs/mnist and prints the paths
+                                             # step_time.png (and ranks.png) into runs/mnist
 
-Reads ``metrics.jsonl`` (one record per epoch, required) and ``steps.jsonl`` (one record per
-``--log-every`` steps, optional).
+Reads ``metrics.jsonl`` (one record per epoch, required), ``steps.jsonl`` (one record per
+``--log-every`` steps, optional) and ``ranks.jsonl`` (each rank's figures per straggler window,
+optional: ``ranks.png`` is drawn when it has records).
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from ddpkit.errors import ConfigError
 from ddpkit.training.observe import PHASES
 
 PLOTS = ("loss.png", "accuracy.png", "throughput.png", "step_time.png")
+RANKS_PLOT = "ranks.png"
 EPOCH_KEYS = ("epoch", "train_loss", "test_loss", "test_accuracy", "samples_per_s")
 
 
@@ -29,8 +31,10 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         help="PNG plots of a ddpkit train output folder",
         description="Write loss.png (train loss per logged step and per epoch, test loss), "
         "accuracy.png (test accuracy per epoch), throughput.png (global samples/s per epoch "
-        "and per logged step) and step_time.png (seconds per step, stacked by phase, per "
-        "epoch) from OUTPUT_DIR/metrics.jsonl and steps.jsonl.",
+        "and per logged step), step_time.png (seconds per step, stacked by phase, per "
+        "epoch) from OUTPUT_DIR/metrics.jsonl and steps.jsonl, and ranks.png (each rank's own "
+        "work and data loading per step over the steps: a straggler stands above the others) "
+        "from ranks.jsonl when a multi-process run wrote it.",
     )
     parser.add_argument("output_dir", metavar="OUTPUT_DIR", help="a ddpkit train --output-dir")
     parser.add_argument(
@@ -191,6 +195,70 @@ def run(args: argparse.Namespace) -> int:
             f"cannot create the plot folder: --out {out_dir} ({exc.strerror}). Pass a "
             "writable folder."
         ) from exc
-    for path in write_plots(epochs, steps, out_dir):
+    paths = write_plots(epochs, steps, out_dir)
+    ranks = _read_optional(output_dir / "ranks.jsonl")
+    if ranks:
+        paths.append(write_ranks_plot(ranks, out_dir / RANKS_PLOT))
+    for path in paths:
         print(path)
     return 0
+
+
+def _read_optional(path: Path) -> list[dict]:
+    try:
+        return read_records(path)
+    except (ValueError, OSError) as exc:
+        raise ConfigError(
+            f"cannot read {path}: {str(exc).splitlines()[0]}. It must hold one JSON object "
+            "per line, as ddpkit train writes; rerun the training to regenerate it."
+        ) from exc
+
+
+def write_ranks_plot(records: list[dict], path: Path) -> Path:
+    """``ranks.png``: per rank, its own work (data + compute) and its data loading, median
+    milliseconds per step of each straggler window, over the optimizer steps.
+
+    Raises:
+        ConfigError: the PNG cannot be written.
+    """
+    import matplotlib
+
+    matplotlib.use("Agg")
+    from matplotlib import pyplot as plt
+
+    fig, (own, data) = plt.subplots(2, 1, figsize=(7, 6), dpi=100, sharex=True)
+    draw_ranks(own, data, records)
+    fig.tight_layout()
+    try:
+        fig.savefig(path, format="png")
+    except OSError as exc:
+        raise ConfigError(
+            f"cannot write the plot: path={path} ({exc.strerror}). Pass --out a writable folder."
+        ) from exc
+    finally:
+        plt.close(fig)
+    return path
+
+
+def draw_ranks(own, data, records: list[dict]) -> None:
+    """One line per rank on each axes: ``own`` gets data + compute, ``data`` data loading."""
+    by_rank: dict[int, list[dict]] = {}
+    for record in records:
+        by_rank.setdefault(int(record["rank"]), []).append(record)
+    for rank, rows in sorted(by_rank.items()):
+        steps = [row["step"] for row in rows]
+        label = f"rank {rank} ({rows[0].get('host', '?')})"
+        work = [(row["data_s"] + row["compute_s"]) * 1e3 for row in rows]
+        own.plot(steps, work, marker=".", label=label)
+        data.plot(steps, [row["data_s"] * 1e3 for row in rows], marker=".", label=label)
+    step_ms = [row["step_s"] * 1e3 for row in by_rank[min(by_rank)]]
+    own.plot([row["step"] for row in by_rank[min(by_rank)]], step_ms, "k--", alpha=0.5,
+             label="step (every rank waits for the slowest)")  # fmt: skip
+    own.set_title("own work per step by rank: a straggler stands above the others")
+    own.set_ylabel("data + compute, ms per step")
+    data.set_ylabel("data loading, ms per step")
+    data.set_xlabel("optimizer step (median over each straggler window)")
+    for ax in (own, data):
+        ax.set_ylim(bottom=0)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize="small")
