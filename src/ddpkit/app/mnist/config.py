@@ -369,7 +369,7 @@ class ObserveConfig:
     )  # fmt: skip
     straggler_factor: float = option(
         1.25, "a rank is slow when its median data or compute time per step is at least this "
-        "many times the other ranks' (and costs >= 10%% of a step; default %(default)s)",
+        "many times the other ranks' and costs at least a tenth of a step (default %(default)s)",
         check=finite(above=1), metavar="X",
     )  # fmt: skip
 
