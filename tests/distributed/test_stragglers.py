@@ -33,7 +33,12 @@ class _Samples(Dataset):
     def __init__(self, n: int, sleep_s: float = 0.0, slow_rank: int = -1, slow_items: int = 10**9):
         gen = torch.Generator().manual_seed(3)
         self.x, self.y = torch.randn(n, 16, generator=gen), torch.randint(0, 4, (n,), generator=gen)
-        self.sleep_s, self.slow_rank, self.slow_items, self.served = sleep_s, slow_rank, slow_items, 0
+        self.sleep_s, self.slow_rank, self.slow_items, self.served = (
+            sleep_s,
+            slow_rank,
+            slow_items,
+            0,
+        )
 
     def __len__(self) -> int:
         return len(self.y)
@@ -228,3 +233,56 @@ def test_bad_detector_settings_are_one_line_errors_and_one_process_has_none():
     model = nn.Linear(2, 2)
     step = ddpkit.TrainStep(model, torch.optim.SGD(model.parameters(), lr=0.1), runtime=single)
     assert step.stragglers is None  # nothing to compare at world size 1
+
+
+def _own_loop(runtime: Runtime, case: str, folder: str) -> dict:
+    """The README's own loop: wrap_model, a plain loop, maybe_save once per step."""
+    slow = runtime.rank == 1
+    model = ddpkit.wrap_model(_Net(forward_s=0.02 if case == "forward" and slow else 0.0), runtime)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
+    sleep_s = 0.005 if case == "data" else 0.0
+    loader = ddpkit.build_train_loader(
+        _Samples(70 * BATCH * runtime.world_size, sleep_s, 1), runtime, batch_size=BATCH, seed=1
+    )
+    probe = runtime.step_probe
+    probe.detector.window = WINDOW
+    lines = _Lines()
+    logging.getLogger("ddpkit").addHandler(lines)
+    ckpt = ddpkit.CheckpointManager(f"{folder}/{case}", runtime, state={"model": model})
+    step = 0
+    for x, y in loader:
+        optimizer.zero_grad()
+        torch.nn.functional.cross_entropy(model(x), y).backward()
+        optimizer.step()
+        step += 1
+        ckpt.maybe_save(step)  # every_steps unset: never saves, but ends the step
+    logging.getLogger("ddpkit").removeHandler(lines)
+    with_train_step = ddpkit.TrainStep(model, optimizer, runtime=runtime, stragglers=False)
+    return {
+        "summary": probe.detector.summary(),
+        "warnings": [text for level, text in lines.lines if level == "WARNING"],
+        "probe_after_train_step": runtime.step_probe,
+        "hooks_after_train_step": len(probe._handles),
+        "train_step_stragglers": with_train_step.stragglers,
+    }
+
+
+def _own_loop_cases(runtime: Runtime, folder: str) -> dict:
+    return {case: _own_loop(runtime, case, folder) for case in ("data", "forward", "none")}
+
+
+def test_an_own_loop_gets_its_straggler_named_through_maybe_save(tmp_path):
+    results = run_distributed(_own_loop_cases, 2, args=(str(tmp_path),), timeout_s=180)
+    for case, expected in (("data", [(1, "data")]), ("forward", [(1, "compute")]), ("none", [])):
+        summaries = [result[case]["summary"] for result in results]
+        assert summaries[0] == summaries[1], case
+        assert _named(summaries[0]) == expected, (case, summaries[0])
+        assert summaries[0]["windows"] == 7, case  # 70 steps, windows of 10
+        assert len(results[0][case]["warnings"]) == len(expected)
+        assert results[1][case]["warnings"] == []
+        # a TrainStep takes over (here: stragglers off): the loop's probe and hooks are gone
+        assert results[0][case]["probe_after_train_step"] is None
+        assert results[0][case]["hooks_after_train_step"] == 0
+        assert results[0][case]["train_step_stragglers"] is None
+    fast, slow = results[0]["forward"]["summary"]["ranks"]
+    assert slow["compute_s"] > fast["compute_s"] + 0.015  # the 20 ms forward, nothing else

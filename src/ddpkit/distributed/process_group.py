@@ -115,6 +115,10 @@ class Runtime:
         live: this worker's membership of a live fault-tolerant job
             (:class:`~ddpkit.live.membership.LiveMembership`), or ``None``. Its quorum changes
             ``info`` (rank, world size) and ``process_group`` between operations.
+        step_probe: the per-step figures of a loop ddpkit does not run
+            (:class:`~ddpkit.training.stragglers.LoopProbe`, attached by
+            :func:`~ddpkit.wrap_model` to a DDP model), advanced by :meth:`stop_requested`;
+            ``None`` when there is none or :class:`~ddpkit.TrainStep` took over.
 
     Built by :func:`init_runtime`. ``Runtime(ProcessInfo())`` is one CPU process without a
     process group (for tests and tools); every field after ``info`` is keyword-only.
@@ -131,6 +135,7 @@ class Runtime:
     stop: StopRequest | None = None
     str_hashes_agree: bool = True
     live: LiveMembership | None = None
+    step_probe: Any = None
     _closed: bool = field(default=False, repr=False)
 
     @property
@@ -159,7 +164,9 @@ class Runtime:
         :mod:`ddpkit.distributed.stop`). The first call also makes signals wait for this
         agreement (before it they have their usual effect). :meth:`CheckpointManager.maybe_save
         <ddpkit.CheckpointManager.maybe_save>` calls it, saves and raises
-        :class:`~ddpkit.TrainingStopped`.
+        :class:`~ddpkit.TrainingStopped`. With a model of :func:`~ddpkit.wrap_model` in a loop
+        without :class:`~ddpkit.TrainStep`, each call also ends a step of the straggler
+        detector (:class:`~ddpkit.training.stragglers.LoopProbe`: one all-reduce every 20).
 
         Collective: call on every rank the same number of times. At world size 1 it answers
         from this process's own signals, without communication. ``False`` always when the
@@ -172,6 +179,8 @@ class Runtime:
             >>> if rt.stop_requested():          # doctest: +SKIP
             ...     break
         """
+        if self.step_probe is not None:  # a step ended: straggler figures (collective)
+            self.step_probe.end_step()
         if self.live is not None:
             if self.stop is None:
                 return self.live.stop_requested()

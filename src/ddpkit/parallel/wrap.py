@@ -216,6 +216,10 @@ def wrap_model(
             powersgd_rank=powersgd_rank, powersgd_start_step=powersgd_start_step,
             ddp_kwargs=ddp_kwargs,
         )  # fmt: skip
+    if options is None and strategy in ("ddp", "zero1"):  # a compiled forward: no hooks
+        from ddpkit.training.stragglers import attach_loop_probe
+
+        attach_loop_probe(wrapped.module, runtime)  # stragglers of the caller's own loop
     return finish_compile(wrapped, runtime, strategy, options, check_steps)
 
 

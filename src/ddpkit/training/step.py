@@ -217,6 +217,9 @@ class TrainStep:
         self.guard = guard
         self.num_steps = start_step
         self.stragglers = _straggler_detector(stragglers, runtime)
+        if runtime.step_probe is not None:  # wrap_model's, for a loop without TrainStep
+            runtime.step_probe.close()
+            runtime.step_probe = None
         if self.stragglers is not None:
             self.timer.watch_gradients(model)  # comm_wait: split off the backward
 

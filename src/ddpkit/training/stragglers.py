@@ -209,13 +209,20 @@ class StragglerDetector:
         Collective: call on every rank after every optimizer step (one all-reduce every
         ``window`` calls; the first also gathers the host names). Nothing at world size 1.
         """
-        if self.runtime.world_size == 1 or self._suspended:
-            return
         wait, wait_in_data = split.get(COMM_WAIT, 0.0), waits.get("data_wait", 0.0)
         total = sum(split[name] for name in PHASES)
         data = split["data_wait"] - wait_in_data
         compute = total - split["data_wait"] - (wait - wait_in_data)  # the other phases' own
-        self._rows.append((data, compute, wait, total, num_samples))
+        self.observe_parts(step, (data, compute, wait, total), num_samples=num_samples)
+
+    def observe_parts(
+        self, step: int, parts: tuple[float, float, float, float], *, num_samples: int
+    ) -> None:
+        """:meth:`observe` with the step already split: ``parts`` is ``(data, compute,
+        comm_wait, step)`` seconds. Collective like :meth:`observe`."""
+        if self.runtime.world_size == 1 or self._suspended:
+            return
+        self._rows.append((*parts, num_samples))
         if len(self._rows) >= self.window:
             self._exchange(step)
 
@@ -336,6 +343,93 @@ class StragglerDetector:
             "named": [asdict(named) for named in self.named],
             "ranks": ranks,
         }
+
+
+class LoopProbe:
+    """The straggler detector for a loop ddpkit does not run: the user's own, with a model of
+    :func:`~ddpkit.wrap_model` and :meth:`Runtime.stop_requested <ddpkit.Runtime.stop_requested>`
+    called once per step (:meth:`CheckpointManager.maybe_save <ddpkit.CheckpointManager.maybe_save>`
+    calls it).
+
+    Hooks on the inner module (forward start and end, training mode only) and on its parameters
+    (gradient accumulated) split each step, from one :meth:`end_step` to the next, into
+    ``data`` (step start to the first forward: the loader, the copy to the device, the caller's
+    code), ``compute`` (the forwards plus the span from the first to the last gradient: this
+    rank's backward, no wait in it) and the rest (waiting for the other ranks, the loss, the
+    optimizer). :class:`~ddpkit.TrainStep` replaces it with its own, finer split.
+
+    Args:
+        module: the module inside the DDP wrapper.
+        runtime: the job's runtime.
+        detector: the detector to feed (default: one with its defaults).
+    """
+
+    def __init__(
+        self, module: Any, runtime: Runtime, detector: StragglerDetector | None = None
+    ) -> None:
+        self.detector = detector or StragglerDetector(runtime)
+        self.module = module
+        self.num_steps = 0
+        self._handles = [
+            module.register_forward_pre_hook(self._forward_start),
+            module.register_forward_hook(self._forward_end),
+        ]
+        for param in module.parameters():
+            if param.requires_grad and hasattr(param, "register_post_accumulate_grad_hook"):
+                self._handles.append(param.register_post_accumulate_grad_hook(self._grad_ready))
+        self._reset(time.perf_counter())
+
+    def _reset(self, now: float) -> None:
+        self._mark, self._first_forward, self._forward_at = now, 0.0, 0.0
+        self._forward_s, self._first_grad, self._last_grad, self._samples = 0.0, 0.0, 0.0, 0
+
+    def _forward_start(self, module: Any, args: tuple) -> None:
+        if not module.training:
+            return
+        now = time.perf_counter()
+        self._first_forward = self._first_forward or now
+        self._forward_at = now
+        first = args[0] if args else None
+        self._samples += int(first.shape[0]) if hasattr(first, "shape") and first.dim() else 0
+
+    def _forward_end(self, module: Any, args: tuple, output: Any) -> None:
+        if module.training and self._forward_at:
+            self._forward_s += time.perf_counter() - self._forward_at
+            self._forward_at = 0.0
+
+    def _grad_ready(self, _param: Any) -> None:
+        now = time.perf_counter()
+        self._first_grad = self._first_grad or now
+        self._last_grad = now
+
+    def end_step(self) -> None:
+        """One step ended (every rank, the same number of times): hand its split to the
+        detector. Collective every ``window`` calls."""
+        now = time.perf_counter()
+        self.num_steps += 1
+        step_s = now - self._mark
+        data = (self._first_forward - self._mark) if self._first_forward else 0.0
+        compute = self._forward_s + (self._last_grad - self._first_grad)
+        rest = max(step_s - data - compute, 0.0)
+        parts = (data, compute, rest, step_s)
+        self.detector.observe_parts(self.num_steps, parts, num_samples=self._samples)
+        self._reset(time.perf_counter())
+
+    def close(self) -> None:
+        """Remove the hooks (safe to call twice)."""
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
+
+
+def attach_loop_probe(module: Any, runtime: Runtime) -> None:
+    """Give ``runtime`` a :class:`LoopProbe` on ``module`` (the last wrapped model wins;
+    world size 1 and live fault tolerance get none)."""
+    if runtime.world_size == 1 or runtime.live is not None:
+        return
+    if runtime.step_probe is not None:
+        runtime.step_probe.close()
+    runtime.step_probe = LoopProbe(module, runtime)
 
 
 def judge(ranks: list[RankWindow], factor: float, min_share: float) -> list[_Verdict]:
