@@ -217,10 +217,15 @@ def wrap_model(
             ddp_kwargs=ddp_kwargs,
         )  # fmt: skip
     if options is None and strategy in ("ddp", "zero1"):  # a compiled forward: no hooks
-        from ddpkit.training.stragglers import attach_loop_probe
-
-        attach_loop_probe(wrapped.module, runtime)  # stragglers of the caller's own loop
+        _probe_own_loop(wrapped, runtime)
     return finish_compile(wrapped, runtime, strategy, options, check_steps)
+
+
+def _probe_own_loop(model: nn.Module, runtime: Runtime) -> None:
+    """Straggler figures for the caller's own loop (each ``stop_requested()`` ends a step)."""
+    from ddpkit.training.stragglers import attach_loop_probe  # training imports this module
+
+    attach_loop_probe(model.module, runtime)
 
 
 def _wrap_ddp(

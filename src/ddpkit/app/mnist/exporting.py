@@ -9,8 +9,10 @@ detector's exchange that runs anyway.
 
 from __future__ import annotations
 
+import contextlib
 import socket
 import time
+from collections.abc import Iterator
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
@@ -126,6 +128,15 @@ class Exporters:
         if self.trackers is not None:
             self.trackers.log_summary(summary)
         self.close("FINISHED")
+
+    @contextlib.contextmanager
+    def closed_on_error(self) -> Iterator[None]:
+        """Close as ``FAILED`` when the body raises (a run closed as KILLED stays KILLED)."""
+        try:
+            yield
+        except BaseException:
+            self.close("FAILED")
+            raise
 
     def close(self, status: str = "FAILED") -> None:
         """Close what is still open (a run that did not finish ends as ``status``); safe twice."""

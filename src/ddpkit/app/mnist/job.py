@@ -357,17 +357,45 @@ def train_mnist(config: TrainConfig, runtime: Runtime, source: DataSource) -> di
         epoch = job.train_loader.epoch if first_step else None
         reset_outputs(output_dir, runtime, epoch, first_step)
     train_step, monitor = _build_step(config, runtime, job, first_step)
-    _log_setup(config, runtime, source.dataset, job)
-    check_grace_period(job.ckpt, runtime)
-    job.goodput = Goodput(output_dir, runtime, first_step)
-    with _where_it_stopped(config, job, train_step, monitor):
-        job.ckpt.maybe_save(first_step)  # a stop signal now waits for a step boundary
-        test, train_time_s, samples_total = _train_epochs(
-            config, runtime, job, train_step, monitor, kill_at
-        )
-    job.ckpt.wait()  # --async-checkpoint: the last save committed (a no-op otherwise)
-    if test is None:  # resumed from a checkpoint taken at the very end: evaluate it
-        test = evaluate(job.model, job.test_loader, runtime)
+    with monitor.exporters.closed_on_error():  # tracker runs end FAILED, never RUNNING
+        _log_setup(config, runtime, source.dataset, job)
+        check_grace_period(job.ckpt, runtime)
+        job.goodput = Goodput(output_dir, runtime, first_step)
+        with _where_it_stopped(config, job, train_step, monitor):
+            job.ckpt.maybe_save(first_step)  # a stop signal now waits for a step boundary
+            test, train_time_s, samples_total = _train_epochs(
+                config, runtime, job, train_step, monitor, kill_at
+            )
+        job.ckpt.wait()  # --async-checkpoint: the last save committed (a no-op otherwise)
+        if test is None:  # resumed from a checkpoint taken at the very end: evaluate it
+            test = evaluate(job.model, job.test_loader, runtime)
+        summary = _summary(
+            config, runtime, job, train_step, test=test, dataset=source.dataset,
+            first_step=first_step, wall_s=time.perf_counter() - start,
+            samples_per_s=samples_total / train_time_s if train_time_s else math.nan,
+        )  # fmt: skip
+        summary["goodput"] = job.goodput.finish("completed", job.ckpt.save_s)
+        summary["config"] = asdict(config)
+        if summary["goodput"]:
+            get_logger("train").info(goodput_line(summary["goodput"]))
+        _write_outputs(output_dir, runtime, job.model, summary)
+        monitor.exporters.finish(summary)
+    return summary
+
+
+def _summary(
+    config: TrainConfig,
+    runtime: Runtime,
+    job: MnistTraining,
+    train_step: TrainStep,
+    *,
+    test: dict,
+    dataset: str,
+    first_step: int,
+    wall_s: float,
+    samples_per_s: float,
+) -> dict[str, Any]:
+    """``summary.json`` before its goodput and config (see :func:`train_mnist`)."""
     summary = {
         "test_accuracy": test["accuracy"],
         "test_loss": test["loss"],
@@ -377,9 +405,9 @@ def train_mnist(config: TrainConfig, runtime: Runtime, source: DataSource) -> di
         "backend": runtime.backend or "none",
         "epochs": config.epochs,
         "final_step": train_step.num_steps,
-        "samples_per_s": samples_total / train_time_s if train_time_s else math.nan,
-        "wall_s": time.perf_counter() - start,
-        "dataset": source.dataset,
+        "samples_per_s": samples_per_s,
+        "wall_s": wall_s,
+        "dataset": dataset,
         "comm_bytes_per_step": _per_step(
             _comm_bytes(job.comm_stats), train_step.num_steps - first_step
         ),
@@ -387,12 +415,6 @@ def train_mnist(config: TrainConfig, runtime: Runtime, source: DataSource) -> di
     summary = {k: finite_or_none(v) if isinstance(v, float) else v for k, v in summary.items()}
     stragglers = train_step.stragglers
     summary["stragglers"] = stragglers.summary() if stragglers is not None else None
-    summary["goodput"] = job.goodput.finish("completed", job.ckpt.save_s)
-    summary["config"] = asdict(config)
-    if summary["goodput"]:
-        get_logger("train").info(goodput_line(summary["goodput"]))
-    _write_outputs(output_dir, runtime, job.model, summary)
-    monitor.exporters.finish(summary)
     return summary
 
 
@@ -402,17 +424,17 @@ def _build_step(
     """The step (timer, non-finite guard, straggler detector) and what watches it (records,
     progress bar, TensorBoard, the Prometheus endpoint and trackers when asked for)."""
     timer = StepTimer(runtime, enabled=config.step_timing)
-    output_dir = Path(config.output_dir)
-    monitor = TrainingMonitor(
-        output_dir, runtime, timer, job.inner_optimizer, first_step,
-        config.log_every, config.progress, config.tensorboard,
-        exporters=Exporters(runtime, output_dir, **exporter_settings(config)),
-    )  # fmt: skip
     guard = None if config.on_nonfinite == "off" else NonFiniteGuard(runtime, config.on_nonfinite)
     train_step = TrainStep(
         job.model, job.optimizer, runtime=runtime, num_micro_steps=config.grad_accum,
         precision=job.precision, clip_grad_norm=config.clip_grad_norm, guard=guard,
         timer=timer, start_step=first_step, stragglers=_straggler_detector(config, runtime),
+    )  # fmt: skip
+    output_dir = Path(config.output_dir)
+    monitor = TrainingMonitor(
+        output_dir, runtime, timer, job.inner_optimizer, first_step,
+        config.log_every, config.progress, config.tensorboard,
+        exporters=Exporters(runtime, output_dir, **exporter_settings(config)),
     )  # fmt: skip
     monitor.watch_ranks(train_step.stragglers)
     return train_step, monitor
