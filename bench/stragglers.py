@@ -5,7 +5,7 @@
     OMP_NUM_THREADS=1 python bench/stragglers.py cost --rounds 7           # samples/s on vs off
 
 ``detect``: 2 gloo ranks train ddpkit's MNIST CNN on random 28x28 batches of 64 with the default
-detector (20-step windows, factor 1.25, 10% of a step, patience 2); rank 1 is slowed by a sleep
+detector (20-step windows, factor 1.25, 10% of a step, patience 3); rank 1 is slowed by a sleep
 of ``(f - 1)`` times the measured baseline step time (median of a balanced run), in its data
 loading or in its forward (compute), so that alone it would step f times slower. Reported: the
 step it was named at (``-``: not named in the run) and the factor the detector measured.
@@ -102,23 +102,45 @@ def _balanced_job(runtime, runs: int, steps: int) -> list[int]:
     return [len(_run(runtime, "none", 0.0, steps)["named"]) for _ in range(runs)]
 
 
+def _own_loop(model, optimizer, probe, runtime, block: int) -> None:
+    """The README's loop for ``block`` steps; ``probe``: the straggler figures, or ``None``."""
+    runtime.step_probe = probe
+    for x, y in _Batches(block, 0.0, False):
+        optimizer.zero_grad()
+        torch.nn.functional.cross_entropy(model(x), y).backward()
+        optimizer.step()
+        runtime.stop_requested()  # what maybe_save calls once per step
+
+
 def _cost_job(runtime, rounds: int, block: int) -> dict:
+    """samples/s with and without the detector: TrainStep, and the own loop (wrap_model's
+    probe), each pair of forms alternating, ABBA order."""
     torch.manual_seed(0)
-    steps = {}
+    steps, loops = {}, {}
     for name, on in (("on", True), ("off", False)):
         model = ddpkit.wrap_model(build_model("mnist"), runtime)
         optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
         steps[name] = ddpkit.TrainStep(
             model, optimizer, runtime=runtime, stragglers=on, same_batch_sizes=True
         )
-    rates: dict[str, list[float]] = {"on": [], "off": []}
+        model = ddpkit.wrap_model(build_model("mnist"), runtime)  # its probe: runtime's now
+        probe, runtime.step_probe = runtime.step_probe, None  # the next wrap would close it
+        if not on:
+            probe.close()
+        loops[name] = (model, torch.optim.SGD(model.parameters(), lr=0.01), probe if on else None)
+    rates = {f"{form} {name}": [] for form in ("TrainStep", "own loop") for name in ("on", "off")}
     for index in range(rounds * 2 + 2):
         name = ("on", "off")[index % 2] if (index // 2) % 2 == 0 else ("off", "on")[index % 2]
-        start = time.perf_counter()
-        for _ in ddpkit.train_epoch(steps[name], _Batches(block, 0.0, False)):
-            pass
-        if index >= 2:  # the first pair warms up
-            rates[name].append(block * BATCH * runtime.world_size / (time.perf_counter() - start))
+        for form in ("TrainStep", "own loop"):
+            start = time.perf_counter()
+            if form == "TrainStep":
+                for _ in ddpkit.train_epoch(steps[name], _Batches(block, 0.0, False)):
+                    pass
+            else:
+                _own_loop(*loops[name], runtime, block)
+            if index >= 2:  # the first pair warms up
+                elapsed = time.perf_counter() - start
+                rates[f"{form} {name}"].append(block * BATCH * runtime.world_size / elapsed)
     return {name: statistics.median(values) for name, values in rates.items()}
 
 
@@ -147,8 +169,10 @@ def main() -> int:
                   f"false alarms {sum(counts)} ({counts})")  # fmt: skip
     else:
         rates = run_distributed(_cost_job, 2, args=(args.rounds, 100), timeout_s=3600)[0]
-        print(f"samples/s with detector {rates['on']:.0f}, without {rates['off']:.0f}, "
-              f"ratio {rates['on'] / rates['off']:.4f} (medians of {args.rounds} blocks)")  # fmt: skip
+        for form in ("TrainStep", "own loop"):
+            on, off = rates[f"{form} on"], rates[f"{form} off"]
+            print(f"{form}: samples/s with detection {on:.0f}, without {off:.0f}, ratio "
+                  f"{on / off:.4f} (medians of {args.rounds} blocks of 100 steps)")  # fmt: skip
     return 0
 
 

@@ -95,7 +95,7 @@ def _train(runtime: Runtime, case: str, num_steps: int) -> dict:
         backward_s=0.02 if case == "backward" and slow else 0.0,
     )
     sleep_s = 0.005 if case in ("data", "data_then_fast") else 0.0
-    slow_items = 30 * BATCH if case == "data_then_fast" else 10**9
+    slow_items = 40 * BATCH if case == "data_then_fast" else 10**9
     dataset = _Samples(num_steps * BATCH * runtime.world_size, sleep_s, 1, slow_items)
     model = ddpkit.wrap_model(net, runtime)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
@@ -135,7 +135,7 @@ def test_the_slow_rank_is_named_with_its_slow_phase_once_on_rank_zero():
         assert summaries[0] == summaries[1], case  # every rank reached the same verdict
         assert _named(summaries[0]) == [(1, phase)], (case, summaries[0])
         named = summaries[0]["named"][0]
-        assert named["named_step"] == 3 * WINDOW  # warm-up window, then 2 slow windows
+        assert named["named_step"] == 4 * WINDOW  # warm-up window, then 3 slow windows
         assert named["cleared_step"] is None and named["host"]
         # 5 ms per sample x 4 or 20 ms per micro-step against ~1 ms of own work
         assert named["rank_s"] >= 0.018 and named["factor"] >= 3, named
@@ -182,11 +182,11 @@ def test_a_straggler_that_recovers_is_cleared_with_one_info_line():
     summary = results[0]["summary"]
     assert _named(summary) == [(1, "data")], summary
     named = summary["named"][0]
-    # slow for its first 30 steps (windows 1-3; window 1 is warm-up), then 2 calm windows
-    assert named["named_step"] == 30 and named["last_step"] == 30
-    assert named["cleared_step"] == 50, named
+    # slow for its first 40 steps (windows 1-4; window 1 is warm-up), then 3 calm windows
+    assert named["named_step"] == 40 and named["last_step"] == 40
+    assert named["cleared_step"] == 70, named
     assert len(results[0]["warnings"]) == 1 and len(results[0]["infos"]) == 1
-    assert "no longer slow in data loading at step 50" in results[0]["infos"][0]
+    assert "no longer slow in data loading at step 70" in results[0]["infos"][0]
 
 
 def _uneven_join(runtime: Runtime) -> dict:

@@ -35,9 +35,9 @@ from ddpkit.cli.flags import add_settings_arguments, given_settings
 from ddpkit.cli.run import LIVE_MAX_RESTARTS
 from ddpkit.distributed.env import detect_process_info
 from ddpkit.distributed.stop import TrainingStopped, parse_stop_signals
-from ddpkit.errors import ConfigError
 from ddpkit.files import make_output_folder
 from ddpkit.launch.launcher import LaunchSpec, launch
+from ddpkit.monitoring.prometheus import port_in_use
 from ddpkit.security.bind import resolve_ipv4
 from ddpkit.settings import read_toml, to_toml
 
@@ -151,10 +151,7 @@ def _check_metrics_port(port: int | None, host: str) -> None:
         except OSError as exc:
             if exc.errno != errno.EADDRINUSE:
                 return  # another address problem: rank 0's endpoint says what it is
-            raise ConfigError(
-                f"cannot serve metrics: port {port} on {address} is already in use. Pick "
-                "another port (--metrics-port), or 0 to let the system pick a free one."
-            ) from None
+            raise port_in_use(port, address) from None
 
 
 def _launch(config: TrainConfig, source: DataSource, nproc: int, *, argv: list[str]) -> int:

@@ -66,6 +66,15 @@ def _check_address(host: str) -> str:
     return address
 
 
+def port_in_use(port: int, address: str) -> ConfigError:
+    """The one-line error for a metrics port already taken (the endpoint's and the launcher's
+    pre-launch check's words)."""
+    return ConfigError(
+        f"cannot serve metrics: port {port} on {address} is already in use. Pick another port "
+        "(--metrics-port), or 0 to let the system pick a free one."
+    )
+
+
 def _check_phases(phases: dict[str, float]) -> None:
     unknown = sorted(set(phases) - set(PHASES))
     if unknown:
@@ -110,10 +119,7 @@ class MetricsServer:
             )
         except OSError as exc:
             if exc.errno == errno.EADDRINUSE:
-                raise ConfigError(
-                    f"cannot serve metrics: port {port} on {address} is already in use. Pick "
-                    "another port (--metrics-port), or 0 to let the system pick a free one."
-                ) from None
+                raise port_in_use(port, address) from None
             raise ConfigError(
                 f"cannot serve metrics on {host}:{port} ({address}): {exc.strerror}. Give an "
                 "address of this machine (--metrics-host), or leave the default 127.0.0.1."

@@ -27,7 +27,7 @@ first ``warmup`` windows are exchanged but not judged (first-step allocations, c
 Medians, because one slow step (a garbage collection, a checkpoint) moves a mean but not a
 median; the other ranks' median as the reference, because at two ranks the median of all is
 halfway to the straggler. Defaults: ``window=20``, ``factor=1.25``, ``min_share=0.1``,
-``patience=2``, ``warmup=1`` (a straggler is named after 60 steps), chosen from measured runs:
+``patience=3``, ``warmup=1`` (a straggler is named after 80 steps), chosen from measured runs:
 docs/monitoring.md has the detection table and the balanced runs.
 
 Limits: on CUDA without ``--step-timing on`` the phases are host time: a slow data loader is
@@ -159,7 +159,7 @@ class StragglerDetector:
         window: int = 20,
         factor: float = 1.25,
         min_share: float = 0.1,
-        patience: int = 2,
+        patience: int = 3,
         warmup: int = 1,
     ) -> None:
         for name, ok in (
