@@ -159,8 +159,9 @@ def main() -> int:
         print("|---|---|---|---|---|")
         for r in rows:
             measured = f"{r['measured']:.2f}x" if r["measured"] else "-"
+            also = f" also named: {r['wrong']}" if r["wrong"] else ""
             print(f"| {r['phase']} | {r['factor']:g}x | {r['own_ms']:.1f} | "
-                  f"{r['named_step'] or '-'} | {measured} |" + (f" also named: {r['wrong']}" if r["wrong"] else ""))  # fmt: skip
+                  f"{r['named_step'] or '-'} | {measured} |{also}")  # fmt: skip
     elif args.mode == "balanced":
         for world in (2, 3):
             counts = run_distributed(_balanced_job, world, args=(args.runs, args.steps),

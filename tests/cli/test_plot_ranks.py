@@ -32,7 +32,7 @@ def test_ranks_png_has_a_line_per_rank_with_the_slow_rank_on_top(tmp_path, capsy
     assert code == 0, err
     assert (tmp_path / "ranks.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     fig, (own, data) = plt.subplots(2, 1)
-    draw_ranks(own, data, records)
+    draw_ranks(own, data, records=records)
     labels = [line.get_label() for line in own.lines]
     assert labels[:3] == ["rank 0 (node0)", "rank 1 (node1)", "rank 2 (node2)"]
     assert list(own.lines[1].get_ydata()) == pytest.approx([51.0, 51.0])  # data + compute, ms

@@ -9,6 +9,7 @@ the straggler's (they wait in it for its gradients), so a plain phase timer show
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 
@@ -200,13 +201,19 @@ def _uneven_join(runtime: Runtime) -> dict:
     batches = list(torch.utils.data.DataLoader(dataset, batch_size=BATCH))
     results = list(ddpkit.train_epoch(step, batches, join=True))
     after = list(ddpkit.train_epoch(step, batches[:6]))  # exchanges again once out of Join
-    return {"steps": len(results), "windows": detector.num_windows, "after": len(after)}
+    windows_after = detector.num_windows
+    with ddpkit.join_uneven_inputs(model, runtime):  # the own-loop form of the same
+        bare = [step(window) for window in step.windows(batches)]
+    return {"steps": len(results), "windows": windows_after, "after": len(after),
+            "bare": len(bare), "windows_bare": detector.num_windows}  # fmt: skip
 
 
-def test_join_suspends_the_exchange_so_uneven_ranks_do_not_hang():
+def test_join_pauses_the_exchange_so_uneven_ranks_do_not_hang():
     results = run_distributed(_uneven_join, 2, timeout_s=60)
     assert [r["steps"] for r in results] == [6, 10]  # rank 0 ran out first, under Join
     assert [r["windows"] for r in results] == [2, 2]  # none inside Join; 6 steps after it
+    assert [r["bare"] for r in results] == [6, 10]  # TrainStep inside join_uneven_inputs
+    assert [r["windows_bare"] for r in results] == [2, 2]
 
 
 def test_judge_needs_both_the_factor_and_the_share_of_the_step():
@@ -240,20 +247,24 @@ def _own_loop(runtime: Runtime, case: str, folder: str) -> dict:
     slow = runtime.rank == 1
     model = ddpkit.wrap_model(_Net(forward_s=0.02 if case == "forward" and slow else 0.0), runtime)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
-    sleep_s = 0.005 if case == "data" else 0.0
-    loader = ddpkit.build_train_loader(
-        _Samples(70 * BATCH * runtime.world_size, sleep_s, 1), runtime, batch_size=BATCH, seed=1
-    )
+    sleep_s = 0.005 if case.startswith("data") else 0.0
+    num = 70 * BATCH * runtime.world_size * (4 if case == "data_accumulated" else 1)
+    loader = ddpkit.build_train_loader(_Samples(num, sleep_s, 1), runtime, batch_size=BATCH, seed=1)
     probe = runtime.step_probe
     probe.detector.window = WINDOW
     lines = _Lines()
     logging.getLogger("ddpkit").addHandler(lines)
     ckpt = ddpkit.CheckpointManager(f"{folder}/{case}", runtime, state={"model": model})
     step = 0
-    for x, y in loader:
-        optimizer.zero_grad()
-        torch.nn.functional.cross_entropy(model(x), y).backward()
+    micro = 4 if case == "data_accumulated" else 1  # gradient accumulation by hand
+    for index, (x, y) in enumerate(loader):
+        last = (index + 1) % micro == 0
+        with contextlib.nullcontext() if last else model.no_sync():
+            torch.nn.functional.cross_entropy(model(x), y).backward()
+        if not last:
+            continue
         optimizer.step()
+        optimizer.zero_grad()
         step += 1
         ckpt.maybe_save(step)  # every_steps unset: never saves, but ends the step
     logging.getLogger("ddpkit").removeHandler(lines)
@@ -268,12 +279,14 @@ def _own_loop(runtime: Runtime, case: str, folder: str) -> dict:
 
 
 def _own_loop_cases(runtime: Runtime, folder: str) -> dict:
-    return {case: _own_loop(runtime, case, folder) for case in ("data", "forward", "none")}
+    cases = ("data", "forward", "none", "data_accumulated")
+    return {case: _own_loop(runtime, case, folder) for case in cases}
 
 
 def test_an_own_loop_gets_its_straggler_named_through_maybe_save(tmp_path):
     results = run_distributed(_own_loop_cases, 2, args=(str(tmp_path),), timeout_s=180)
-    for case, expected in (("data", [(1, "data")]), ("forward", [(1, "compute")]), ("none", [])):
+    for case, expected in (("data", [(1, "data")]), ("forward", [(1, "compute")]), ("none", []),
+                           ("data_accumulated", [(1, "data")])):  # fmt: skip
         summaries = [result[case]["summary"] for result in results]
         assert summaries[0] == summaries[1], case
         assert _named(summaries[0]) == expected, (case, summaries[0])

@@ -86,9 +86,7 @@ def _train(mnist_dir: Path, out: Path, slow_rank: int | None) -> tuple[str, dict
     return output, json.loads((out / "summary.json").read_text())
 
 
-def test_a_rank_slowed_by_sigstop_is_named_and_a_run_left_alone_names_no_one(
-    mnist_dir, tmp_path
-):
+def test_a_rank_slowed_by_sigstop_is_named_and_a_run_left_alone_names_no_one(mnist_dir, tmp_path):
     output, summary = _train(mnist_dir, tmp_path / "slowed", slow_rank=1)
     stragglers = summary["stragglers"]
     assert [(n["rank"], n["phase"]) for n in stragglers["named"]] == [(1, "compute")], stragglers

@@ -227,7 +227,7 @@ def write_ranks_plot(records: list[dict], path: Path) -> Path:
     from matplotlib import pyplot as plt
 
     fig, (own, data) = plt.subplots(2, 1, figsize=(7, 6), dpi=100, sharex=True)
-    draw_ranks(own, data, records)
+    draw_ranks(own, data, records=records)
     fig.tight_layout()
     try:
         fig.savefig(path, format="png")
@@ -240,7 +240,7 @@ def write_ranks_plot(records: list[dict], path: Path) -> Path:
     return path
 
 
-def draw_ranks(own, data, records: list[dict]) -> None:
+def draw_ranks(own, data, *, records: list[dict]) -> None:
     """One line per rank on each axes: ``own`` gets data + compute, ``data`` data loading."""
     by_rank: dict[int, list[dict]] = {}
     for record in records:

@@ -10,10 +10,8 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import errno
 import functools
 import os
-import socket
 import sys
 import tempfile
 from pathlib import Path
@@ -37,8 +35,7 @@ from ddpkit.distributed.env import detect_process_info
 from ddpkit.distributed.stop import TrainingStopped, parse_stop_signals
 from ddpkit.files import make_output_folder
 from ddpkit.launch.launcher import LaunchSpec, launch
-from ddpkit.monitoring.prometheus import port_in_use
-from ddpkit.security.bind import resolve_ipv4
+from ddpkit.monitoring.prometheus import check_endpoint
 from ddpkit.settings import read_toml, to_toml
 
 WORKER_FLAG = "--_worker"  # its value: the resolved settings file the parent wrote for its ranks
@@ -129,29 +126,9 @@ def run(args: argparse.Namespace) -> int:
         config = dataclasses.replace(config, max_restarts=LIVE_MAX_RESTARTS)
     if nproc == 1 and not config.max_restarts:  # restarts are torchrun's: those go through it
         return _train_here(config, source, worker=False, argv=args.argv)
-    _check_metrics_port(config.metrics_port, config.metrics_host)
+    if config.metrics_port is not None:  # rank 0 would find it after every rank started
+        check_endpoint(config.metrics_port, config.metrics_host)
     return _launch(config, source, nproc, argv=args.argv)
-
-
-def _check_metrics_port(port: int | None, host: str) -> None:
-    """Refuse a ``--metrics-port`` already in use before any worker starts: rank 0 finds it
-    only after every rank started, its one line then among the other ranks' errors. A bind
-    probe, closed at once (``SO_REUSEADDR``, as the endpoint's own server binds).
-
-    Raises:
-        ConfigError: the port is in use on ``host``'s address (the endpoint's own words).
-    """
-    if not port:  # None: no endpoint; 0: the system picks a free one
-        return
-    address = resolve_ipv4(host)
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
-        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            probe.bind((address, port))
-        except OSError as exc:
-            if exc.errno != errno.EADDRINUSE:
-                return  # another address problem: rank 0's endpoint says what it is
-            raise port_in_use(port, address) from None
 
 
 def _launch(config: TrainConfig, source: DataSource, nproc: int, *, argv: list[str]) -> int:

@@ -23,6 +23,7 @@ from __future__ import annotations
 import errno
 import ipaddress
 import math
+import socket
 import threading
 from types import ModuleType
 
@@ -66,13 +67,34 @@ def _check_address(host: str) -> str:
     return address
 
 
-def port_in_use(port: int, address: str) -> ConfigError:
-    """The one-line error for a metrics port already taken (the endpoint's and the launcher's
-    pre-launch check's words)."""
+def _bind_error(exc: OSError, host: str, port: int, address: str) -> ConfigError:
+    """The one-line error for an endpoint that cannot bind ``address:port``."""
+    if exc.errno == errno.EADDRINUSE:
+        return ConfigError(
+            f"cannot serve metrics: port {port} on {address} is already in use. Pick another "
+            "port (--metrics-port), or 0 to let the system pick a free one."
+        )
     return ConfigError(
-        f"cannot serve metrics: port {port} on {address} is already in use. Pick another port "
-        "(--metrics-port), or 0 to let the system pick a free one."
+        f"cannot serve metrics on {host}:{port} ({address}): {exc.strerror}. Give an address "
+        "of this machine (--metrics-host), or leave the default 127.0.0.1."
     )
+
+
+def check_endpoint(port: int, host: str = DEFAULT_HOST) -> None:
+    """What :class:`MetricsServer` would refuse, found before any worker starts: the library,
+    the address (resolved, not the unspecified one) and the port (a bind, closed at once).
+
+    Raises:
+        ConfigError: as :class:`MetricsServer` (one line with the fix).
+    """
+    _import_prometheus_client()
+    address = _check_address(host)
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            probe.bind((address, port))
+        except OSError as exc:
+            raise _bind_error(exc, host, port, address) from None
 
 
 def _check_phases(phases: dict[str, float]) -> None:
@@ -118,12 +140,7 @@ class MetricsServer:
                 port, addr=address, registry=self._registry
             )
         except OSError as exc:
-            if exc.errno == errno.EADDRINUSE:
-                raise port_in_use(port, address) from None
-            raise ConfigError(
-                f"cannot serve metrics on {host}:{port} ({address}): {exc.strerror}. Give an "
-                "address of this machine (--metrics-host), or leave the default 127.0.0.1."
-            ) from None
+            raise _bind_error(exc, host, port, address) from None
         self.host: str = address
         self.port: int = self._server.server_address[1]
         self._closed = False

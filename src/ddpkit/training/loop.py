@@ -19,7 +19,6 @@ only when the loop asks for it), so a checkpoint taken there holds the loader's 
 
 from __future__ import annotations
 
-import contextlib
 import itertools
 from collections.abc import Iterable, Iterator, Sized
 from typing import Any
@@ -89,8 +88,7 @@ def _results(
     if not join:
         _verify_even(step, batches, max_steps)
     timer = step.timer
-    paused = step.stragglers.suspended() if join and step.stragglers else contextlib.nullcontext()
-    with paused, join_uneven_inputs(step.model, step.runtime, enable=join):
+    with join_uneven_inputs(step.model, step.runtime, enable=join):  # stragglers paused
         windows = step.windows(batches)
         try:
             for _ in range(max_steps) if max_steps is not None else itertools.count():

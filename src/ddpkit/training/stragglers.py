@@ -32,8 +32,9 @@ docs/monitoring.md has the detection table and the balanced runs.
 
 Limits: on CUDA without ``--step-timing on`` the phases are host time: a slow data loader is
 named, slow kernels are not. With FSDP the compute includes FSDP's own collectives (its
-gradients are not hooked). Live fault tolerance and ``train_epoch(..., join=True)`` run
-without it (a rank may run fewer steps there, and the exchange is a collective).
+gradients are not hooked). Live fault tolerance and :func:`~ddpkit.join_uneven_inputs` (so
+``train_epoch(..., join=True)``) run without it: a rank may run fewer steps there, and the
+exchange is a collective (:func:`paused`).
 """
 
 from __future__ import annotations
@@ -45,6 +46,8 @@ import time
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import asdict, dataclass
 from typing import Any
+
+import torch
 
 from ddpkit.distributed.collectives import all_gather_object, gather_per_rank
 from ddpkit.distributed.process_group import Runtime
@@ -128,6 +131,23 @@ class _Verdict:
     step_s: float
 
 
+_PAUSE = {"depth": 0, "generation": 0}  # paused(): every detector of this process
+
+
+@contextlib.contextmanager
+def paused() -> Iterator[None]:
+    """No straggler exchange in this process inside (torch's ``Join``, where ranks run
+    different numbers of steps and only DDP's own collectives are shadowed); every detector's
+    window starts afresh after it, on every rank. :func:`~ddpkit.join_uneven_inputs` enters it."""
+    _PAUSE["depth"] += 1
+    _PAUSE["generation"] += 1
+    try:
+        yield
+    finally:
+        _PAUSE["depth"] -= 1
+        _PAUSE["generation"] += 1
+
+
 class StragglerDetector:
     """Names the rank whose data loading or compute is persistently slower than the others'.
 
@@ -147,6 +167,7 @@ class StragglerDetector:
             exchange), e.g. a metrics exporter on rank 0.
         named: the stragglers named so far (cleared ones too), oldest first.
         num_windows: windows exchanged so far.
+        last: the last window's ``list[RankWindow]`` (empty before the first).
 
     Raises:
         ValueError: an argument out of its range (the message names it).
@@ -188,7 +209,7 @@ class StragglerDetector:
         self._streaks: dict[tuple[int, str], _Streak] = {}
         self._active: dict[tuple[int, str], Straggler] = {}
         self._totals: dict[int, list[float]] = {}
-        self._suspended = False
+        self._generation = _PAUSE["generation"]
 
     def observe(
         self,
@@ -220,21 +241,13 @@ class StragglerDetector:
     ) -> None:
         """:meth:`observe` with the step already split: ``parts`` is ``(data, compute,
         comm_wait, step)`` seconds. Collective like :meth:`observe`."""
-        if self.runtime.world_size == 1 or self._suspended:
+        if self.runtime.world_size == 1 or _PAUSE["depth"]:
             return
+        if self._generation != _PAUSE["generation"]:  # a pause ended: a fresh window
+            self._generation, self._rows = _PAUSE["generation"], []
         self._rows.append((*parts, num_samples))
         if len(self._rows) >= self.window:
             self._exchange(step)
-
-    @contextlib.contextmanager
-    def suspended(self) -> Iterator[None]:
-        """No exchange inside (ranks may run different numbers of steps: torch's ``Join``);
-        the window starts afresh after it, on every rank."""
-        self._suspended, self._rows = True, []
-        try:
-            yield
-        finally:
-            self._suspended, self._rows, self._mark = False, [], time.perf_counter()
 
     def _exchange(self, step: int) -> None:
         rows, self._rows = self._rows, []
@@ -257,7 +270,7 @@ class StragglerDetector:
             for i, value in enumerate((rank.data_s, rank.compute_s, rank.comm_wait_s, rank.step_s)):
                 total[i] += value
         if self.num_windows > self.warmup:
-            self._update(judge(ranks, self.factor, self.min_share), step)
+            self._update(judge(ranks, factor=self.factor, min_share=self.min_share), step)
         for listener in self.listeners:
             listener(ranks)
 
@@ -323,7 +336,7 @@ class StragglerDetector:
         """What ``summary.json``'s ``stragglers`` holds (the same on every rank).
 
         Returns:
-            ``{"window": steps, "factor", "min_share", "patience", "windows": exchanged,
+            ``{"window": steps, "factor", "min_share", "patience", "warmup", "windows": exchanged,
             "named": [Straggler as a dict, ...], "ranks": [{"rank", "host", "data_s",
             "compute_s", "comm_wait_s", "step_s"}: the mean of the window medians, seconds per
             step, ...]}``; ``ranks`` is empty before the first exchange.
@@ -339,6 +352,7 @@ class StragglerDetector:
             "factor": self.factor,
             "min_share": self.min_share,
             "patience": self.patience,
+            "warmup": self.warmup,
             "windows": self.num_windows,
             "named": [asdict(named) for named in self.named],
             "ranks": ranks,
@@ -353,10 +367,12 @@ class LoopProbe:
 
     Hooks on the inner module (forward start and end, training mode only) and on its parameters
     (gradient accumulated) split each step, from one :meth:`end_step` to the next, into
-    ``data`` (step start to the first forward: the loader, the copy to the device, the caller's
-    code), ``compute`` (the forwards plus the span from the first to the last gradient: this
-    rank's backward, no wait in it) and the rest (waiting for the other ranks, the loss, the
-    optimizer). :class:`~ddpkit.TrainStep` replaces it with its own, finer split.
+    ``data`` (step start to the first forward, and from a backward's last gradient to the next
+    forward: the loader, the copy to the device, the caller's code), ``compute`` (the forwards,
+    plus each backward's span from its first to its last gradient: this rank's backward, no
+    wait in it; several per step with gradient accumulation) and the rest (waiting for the
+    other ranks, the loss, the optimizer). :class:`~ddpkit.TrainStep` replaces it with its
+    own, finer split.
 
     Args:
         module: the module inside the DDP wrapper.
@@ -365,7 +381,7 @@ class LoopProbe:
     """
 
     def __init__(
-        self, module: Any, runtime: Runtime, detector: StragglerDetector | None = None
+        self, module: Any, runtime: Runtime, *, detector: StragglerDetector | None = None
     ) -> None:
         self.detector = detector or StragglerDetector(runtime)
         self.module = module
@@ -380,17 +396,30 @@ class LoopProbe:
         self._reset(time.perf_counter())
 
     def _reset(self, now: float) -> None:
-        self._mark, self._first_forward, self._forward_at = now, 0.0, 0.0
-        self._forward_s, self._first_grad, self._last_grad, self._samples = 0.0, 0.0, 0.0, 0
+        self._mark, self._forward_at, self._forward_s, self._samples = now, 0.0, 0.0, 0
+        self._data_s, self._backward_s, self._first_grad, self._last_grad = 0.0, 0.0, 0.0, 0.0
+        self._forwards = 0
+
+    def _close_backward(self) -> None:
+        """The backward since the last forward is over: add its gradient span."""
+        if self._first_grad:
+            self._backward_s += self._last_grad - self._first_grad
+            self._first_grad = 0.0
 
     def _forward_start(self, module: Any, args: tuple) -> None:
         if not module.training:
             return
         now = time.perf_counter()
-        self._first_forward = self._first_forward or now
+        if not self._forwards:  # the step's first: from the step start
+            self._data_s += now - self._mark
+        elif self._first_grad:  # after a backward (accumulation): from its last gradient
+            self._data_s += now - self._last_grad
+        self._close_backward()
+        self._forwards += 1
         self._forward_at = now
         first = args[0] if args else None
-        self._samples += int(first.shape[0]) if hasattr(first, "shape") and first.dim() else 0
+        if isinstance(first, torch.Tensor) and first.dim():
+            self._samples += int(first.shape[0])
 
     def _forward_end(self, module: Any, args: tuple, output: Any) -> None:
         if module.training and self._forward_at:
@@ -407,9 +436,9 @@ class LoopProbe:
         detector. Collective every ``window`` calls."""
         now = time.perf_counter()
         self.num_steps += 1
+        self._close_backward()
         step_s = now - self._mark
-        data = (self._first_forward - self._mark) if self._first_forward else 0.0
-        compute = self._forward_s + (self._last_grad - self._first_grad)
+        data, compute = self._data_s, self._forward_s + self._backward_s
         rest = max(step_s - data - compute, 0.0)
         parts = (data, compute, rest, step_s)
         self.detector.observe_parts(self.num_steps, parts, num_samples=self._samples)
@@ -432,7 +461,7 @@ def attach_loop_probe(module: Any, runtime: Runtime) -> None:
     runtime.step_probe = LoopProbe(module, runtime)
 
 
-def judge(ranks: list[RankWindow], factor: float, min_share: float) -> list[_Verdict]:
+def judge(ranks: list[RankWindow], *, factor: float, min_share: float) -> list[_Verdict]:
     """This window's slow (rank, phase) pairs by the module's rule (no state, no collective)."""
     if len(ranks) < 2:
         return []

@@ -21,6 +21,7 @@ gradient all-reduces it will never join: a hang until the collective timeout. Tw
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Iterator
 
 from torch import nn
 from torch.distributed.algorithms import Join
@@ -30,6 +31,7 @@ from ddpkit.distributed.collectives import gather_per_rank
 from ddpkit.distributed.process_group import Runtime
 from ddpkit.errors import ConfigError, DistributedError
 from ddpkit.parallel.local_sgd import is_local_sgd_model
+from ddpkit.training.stragglers import paused
 
 
 class UnevenInputsError(DistributedError):
@@ -74,6 +76,8 @@ def join_uneven_inputs(
     off: ranks that finish early shadow the rest). See the module docstring for the semantics.
 
     Collective: enter and leave on every rank. At world size 1 (no DDP) it is a plain context.
+    No other collective may run per step inside: the straggler detector's exchange is paused
+    (:func:`ddpkit.training.stragglers.paused`).
 
     Args:
         model: the DDP-wrapped model.
@@ -104,4 +108,12 @@ def join_uneven_inputs(
             "in for a finished rank in the parameter averaging, so the others would wait. Give "
             "every rank the same number of batches (ddpkit.training.uneven.verify_even_batches)."
         )
-    return Join([model])
+    return _joined(model)
+
+
+@contextlib.contextmanager
+def _joined(model: DistributedDataParallel) -> Iterator[None]:
+    """torch's ``Join([model])`` with the straggler exchange paused (not a DDP collective,
+    so Join would not shadow it for a rank that ran out of data)."""
+    with paused(), Join([model]):
+        yield

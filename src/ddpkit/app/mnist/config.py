@@ -432,11 +432,20 @@ def check(config: TrainConfig, *, world_size: int | None = None) -> None:
     problems = field_problems(config)
     if not problems:  # the rules below compare values that are each valid
         size = world_size if world_size is not None else config.nproc
-        rules = (_step_rules, _local_sgd_rules, _compile_rules, _live_rules)
+        rules = (_step_rules, _local_sgd_rules, _compile_rules, _live_rules, _monitoring_rules)
         problems = [p for rule in rules for p in rule(config)]
         problems += _strategy_rules(config, size) if size is not None else []
     if problems:
         raise ConfigError(f"invalid config: {'. '.join(problems)}.")
+
+
+def _monitoring_rules(c: TrainConfig) -> list[str]:
+    if c.metrics_port is None and c.metrics_host != "127.0.0.1":
+        return [
+            f"metrics_host={c.metrics_host!r} without metrics_port: there is no endpoint to "
+            "listen on that address. Add --metrics-port PORT, or drop --metrics-host"
+        ]
+    return []
 
 
 def _step_rules(c: TrainConfig) -> list[str]:

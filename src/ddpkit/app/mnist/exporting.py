@@ -64,9 +64,13 @@ class Exporters:
             self.server = MetricsServer(metrics_port, metrics_host)
             log.info("Prometheus metrics of every rank at %s", self.server.url)
         if trackers:
-            self.trackers = open_trackers(
-                trackers, output_dir, run_name=Path(output_dir).resolve().name, config=config
-            )
+            try:
+                self.trackers = open_trackers(
+                    trackers, output_dir, run_name=Path(output_dir).resolve().name, config=config
+                )
+            except BaseException:
+                self.close()  # the endpoint already listening
+                raise
             where = ", ".join(f"{name}: {place}" for name, place in self.trackers.locations.items())
             log.info("experiment tracking to %s", where)
 

@@ -108,8 +108,10 @@ def build_model_and_optimizer(
         optimizer = enable_local_sgd(
             model, inner, runtime=runtime, sync_every=config.sync_every, comm_stats=stats
         )
-    elif stats is not None and not hooked and (
-        isinstance(model, DistributedDataParallel) or runtime.live is not None
+    elif (
+        stats is not None
+        and not hooked
+        and (isinstance(model, DistributedDataParallel) or runtime.live is not None)
     ):  # DDP's own all-reduce, or live fault tolerance's (the same bytes, after backward)
         stats.builtin_sync_bytes = sum(
             p.numel() * p.element_size() for p in model.parameters() if p.requires_grad
