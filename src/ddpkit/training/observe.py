@@ -49,6 +49,7 @@ import contextlib
 import resource
 import sys
 import time
+import weakref
 from collections.abc import Iterator
 from typing import Any
 
@@ -59,6 +60,37 @@ from ddpkit.distributed.process_group import Runtime
 
 PHASES = ("data_wait", "forward", "backward_comm", "optimizer")
 COMM_WAIT = "comm_wait"  # the part of backward_comm spent waiting on other ranks (not a phase)
+
+
+def _ignore(*_args: Any) -> None:
+    """What a copied module's timing hook does: nothing."""
+
+
+def _ignoring() -> Any:
+    return _ignore
+
+
+class WeakHook:
+    """A module or tensor hook that calls ``owner``'s method through a weak reference.
+
+    The hooks live in the model's hook dicts, so a copy of the model (``copy.deepcopy``, e.g.
+    torch's ``AveragedModel`` for an EMA; ``pickle``) copies them: this one becomes a hook that
+    does nothing instead of dragging the timer (and the process group it reaches) along.
+    """
+
+    def __init__(self, method: Any) -> None:
+        self._method = weakref.WeakMethod(method)
+
+    def __call__(self, *args: Any) -> None:
+        method = self._method()
+        if method is not None:
+            method(*args)
+
+    def __deepcopy__(self, memo: dict) -> Any:
+        return _ignore
+
+    def __reduce__(self) -> tuple:
+        return (_ignoring, ())
 
 
 def peak_memory_mb(device: torch.device) -> float:
@@ -123,7 +155,8 @@ class StepTimer:
                 continue
             if type(param) is not torch.nn.Parameter and type(param.data) is not torch.Tensor:
                 continue  # a DTensor: FSDP's reduce-scatter delivers it
-            self._hooks.append(param.register_post_accumulate_grad_hook(self._grad_ready))
+            hook = WeakHook(self._grad_ready)
+            self._hooks.append(param.register_post_accumulate_grad_hook(hook))
 
     def _grad_ready(self, _param: torch.Tensor) -> None:
         self._grad_ready_at = time.perf_counter()

@@ -52,7 +52,7 @@ import torch
 from ddpkit.distributed.collectives import all_gather_object, gather_per_rank
 from ddpkit.distributed.process_group import Runtime
 from ddpkit.log import get_logger
-from ddpkit.training.observe import COMM_WAIT, PHASES
+from ddpkit.training.observe import COMM_WAIT, PHASES, WeakHook
 
 JUDGED = ("data", "compute")  # the phases a rank can be named for
 WHAT = {"data": "data loading", "compute": "compute (forward, backward, optimizer)"}
@@ -386,13 +386,14 @@ class LoopProbe:
         self.detector = detector or StragglerDetector(runtime)
         self.module = module
         self.num_steps = 0
-        self._handles = [
-            module.register_forward_pre_hook(self._forward_start),
-            module.register_forward_hook(self._forward_end),
+        self._handles = [  # weak: a copy of the model (an EMA) gets hooks that do nothing
+            module.register_forward_pre_hook(WeakHook(self._forward_start)),
+            module.register_forward_hook(WeakHook(self._forward_end)),
         ]
         for param in module.parameters():
             if param.requires_grad and hasattr(param, "register_post_accumulate_grad_hook"):
-                self._handles.append(param.register_post_accumulate_grad_hook(self._grad_ready))
+                hook = WeakHook(self._grad_ready)
+                self._handles.append(param.register_post_accumulate_grad_hook(hook))
         self._reset(time.perf_counter())
 
     def _reset(self, now: float) -> None:
