@@ -19,6 +19,7 @@ import ddpkit
 from ddpkit.distributed.process_group import Runtime
 from ddpkit.testing import run_distributed
 from ddpkit.training.observe import PHASES, StepTimer
+from tests.distributed.sleeps import SleepInBackward
 
 SLEEP_S = 0.02  # per sample in the slow dataset (4 x 4 samples: 0.32 s)
 # per micro-step in the slow model: 4 x 0.1 s, well above the peer waits a loaded machine adds
@@ -44,18 +45,6 @@ class _Samples(Dataset):
         return self.x[index], self.y[index]
 
 
-class _SleepInBackward(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, sleep_s):
-        ctx.sleep_s = sleep_s
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx, grad):
-        time.sleep(ctx.sleep_s)
-        return grad, None
-
-
 class _Net(nn.Module):
     def __init__(self, forward_sleep_s: float = 0.0, backward_sleep_s: float = 0.0) -> None:
         super().__init__()
@@ -67,7 +56,7 @@ class _Net(nn.Module):
         if self.forward_sleep_s:
             time.sleep(self.forward_sleep_s)
         if self.backward_sleep_s:
-            x = _SleepInBackward.apply(x.requires_grad_(), self.backward_sleep_s)
+            x = SleepInBackward.apply(x.requires_grad_(), self.backward_sleep_s)
         return self.body(x)
 
 

@@ -23,6 +23,7 @@ import ddpkit
 from ddpkit.distributed.process_group import ProcessInfo, Runtime
 from ddpkit.testing import run_distributed
 from ddpkit.training.stragglers import RankWindow, StragglerDetector, judge
+from tests.distributed.sleeps import SleepInBackward
 
 BATCH = 4
 WINDOW = 10  # steps per exchange in these tests (default 20): named after 30 steps
@@ -51,18 +52,6 @@ class _Samples(Dataset):
         return self.x[index], self.y[index]
 
 
-class _Sleep(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, sleep_s):
-        ctx.sleep_s = sleep_s
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx, grad):
-        time.sleep(ctx.sleep_s)
-        return grad, None
-
-
 class _Net(nn.Module):
     def __init__(self, forward_s: float = 0.0, backward_s: float = 0.0) -> None:
         super().__init__()
@@ -75,7 +64,7 @@ class _Net(nn.Module):
             time.sleep(self.forward_s)
         hidden = self.body[1](self.body[0](x))
         if self.backward_s:  # between the layers: the first layer's gradients come after it
-            hidden = _Sleep.apply(hidden, self.backward_s)
+            hidden = SleepInBackward.apply(hidden, self.backward_s)
         return self.body[2](hidden)
 
 
