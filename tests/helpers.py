@@ -26,11 +26,13 @@ def run_cli(
     timeout_s: float = 120,
     env: dict[str, str] | None = None,
     cwd: str | None = None,
+    program: list[str] | None = None,
 ) -> Completed:
-    """Run ``python -m <args>`` in a new session; on timeout kill the whole process group."""
+    """Run ``python <args>`` (or ``program + args``, e.g. ``["bash"]``) in a new session; on
+    timeout kill the whole process group."""
     full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
     proc = subprocess.Popen(
-        [sys.executable, *args],
+        [*(program or [sys.executable]), *args],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,

@@ -10,8 +10,6 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -19,30 +17,17 @@ import pytest
 import torch
 
 from tests.conftest import REPO, SHARED_MNIST
+from tests.helpers import Completed, run_cli
 
 SCRIPT = REPO / "bench" / "gpu_check.sh"
 RUNS = ["fp32", "bf16", "compile", "fsdp", "nccl", "raw_torch"]
 
 
-def run_script(args: list[str], timeout_s: float) -> subprocess.CompletedProcess:
+def run_script(args: list[str], timeout_s: float) -> Completed:
     """``bash bench/gpu_check.sh ARGS`` in a session of its own; on timeout the whole group is
     killed (the script kills its own runs' process trees on their timeouts)."""
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHON": sys.executable}
-    proc = subprocess.Popen(
-        ["bash", str(SCRIPT), *args],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        env=env,
-        start_new_session=True,
-    )
-    try:
-        out, err = proc.communicate(timeout=timeout_s)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, 9)
-        out, err = proc.communicate()
-        pytest.fail(f"gpu_check.sh {args} timed out after {timeout_s} s\n{out}\n{err}")
-    return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
+    env = {"OMP_NUM_THREADS": "1", "PYTHON": sys.executable}
+    return run_cli([str(SCRIPT), *args], timeout_s, env=env, program=["bash"])
 
 
 def load_gpu_check():

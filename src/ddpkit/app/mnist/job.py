@@ -447,7 +447,8 @@ def _where_it_stopped(
     config: TrainConfig, job: MnistTraining, train_step: TrainStep, monitor: TrainingMonitor
 ) -> Iterator[None]:
     """A stop signal's (#14) or Ctrl-C's (#16) step and epoch, for the launcher's one line;
-    the tracker runs of a job that did not finish end as KILLED (a stop) or FAILED."""
+    the tracker runs of a stopped job end as KILLED (any other error: FAILED, by
+    ``Exporters.closed_on_error`` around the whole job)."""
     try:
         yield
     except TrainingStopped as stopped:
@@ -459,9 +460,6 @@ def _where_it_stopped(
         note = _epoch_note(config, job, train_step)
         monitor.exporters.close("KILLED")
         raise KeyboardInterrupt(f"after step {train_step.num_steps} {note}") from None
-    except BaseException:
-        monitor.exporters.close("FAILED")
-        raise
     finally:
         monitor.close()
 
