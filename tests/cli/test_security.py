@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-from tests.helpers import descendants, listening_sockets, run_cli
+from tests.helpers import descendants, listening_sockets, pid_alive, run_cli
 
 TOKEN = "0123456789abcdef0123456789abcdef"
 
@@ -115,3 +115,74 @@ def test_bad_token_settings_are_refused_before_any_worker_starts(tmp_path):
         assert result.returncode == 2, result.output
         assert len(result.stderr.strip().splitlines()) == 1, result.stderr
         assert "a worker started" not in result.output and "short-secret" not in result.output
+
+
+class _Payload:
+    """Unpickled, it creates the folder ``path``: proof that code from the store ran."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+
+    def __reduce__(self):
+        return (os.mkdir, (self.path,))
+
+
+def _poison_rendezvous_state(launcher_pid: int, payload: bytes) -> str:
+    """As a local process without the token would: find the launcher's rendezvous store, list
+    its keys, overwrite torchrun's rendezvous state with ``payload``. Returns the key."""
+    import base64
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    for _, port in listening_sockets({launcher_pid}):
+        client = dist.TCPStore(
+            "127.0.0.1", port, is_master=False, use_libuv=True, timeout=timedelta(seconds=10)
+        )
+        keys = [k for k in client.list_keys() if k.startswith("torch.rendezvous.") and "/" not in k]
+        if keys:
+            client.set(keys[0], base64.b64encode(payload).decode())
+            return keys[0]
+    pytest.fail(f"no rendezvous state in the launcher's stores {listening_sockets({launcher_pid})}")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("token", [None, TOKEN], ids=["no-token", "token"])
+def test_a_pickle_written_into_the_rendezvous_store_never_runs(tmp_path, token):
+    # torchrun unpickles its rendezvous state from the store several times a second: under plain
+    # torchrun this payload runs in the agent within a second (docs/security.md).
+    import pickle
+
+    script = tmp_path / "job.py"
+    script.write_text(textwrap.dedent(JOB))
+    env = {**os.environ, "TEST_DIR": str(tmp_path)}
+    env.pop("DDPKIT_JOB_TOKEN", None)
+    if token:
+        env["DDPKIT_JOB_TOKEN"] = token
+    marker = tmp_path / "payload-ran"
+    job = subprocess.Popen(
+        [sys.executable, "-m", "ddpkit", "run", "-n", "2", str(script)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+        start_new_session=True,
+    )
+    try:
+        _wait_for(tmp_path / "store.json", job)
+        workers = descendants(job.pid) - {job.pid}
+        _poison_rendezvous_state(job.pid, pickle.dumps(_Payload(str(marker))))
+        out, err = job.communicate(timeout=60)  # the workers never see "go": the job must stop
+    finally:
+        if job.poll() is None:
+            os.killpg(job.pid, 9)
+            job.communicate()
+    assert not marker.exists()
+    assert job.returncode == 1, out + err
+    lines = [line for line in err.splitlines() if "rendezvous state refused" in line]
+    assert len(lines) == 1, err
+    assert "nothing of it was unpickled" in lines[0]
+    reason = "is not signed with this job's key"  # a random key of the launcher's, or the token's
+    assert reason in lines[0], lines[0]
+    assert "Traceback" not in err, err
+    assert not any(pid_alive(pid) for pid in workers)

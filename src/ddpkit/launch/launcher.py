@@ -61,6 +61,12 @@ from ddpkit.launch.stopping import (
 )
 from ddpkit.launch.summary import summarize_failure
 from ddpkit.security.bind import MASTER_PORT_ENV, MULTI_NODE_ENV, reserve_port
+from ddpkit.security.rendezvous_state import (
+    BACKEND_NAME,
+    RendezvousStateRefused,
+    rendezvous_key,
+    signed_rendezvous,
+)
 from ddpkit.security.token import load_token
 
 WORKER_MODULE = "ddpkit.launch.worker"
@@ -202,12 +208,15 @@ def validate_spec(spec: LaunchSpec) -> None:
         raise ConfigError(f"invalid launch: {'; '.join(problems)}.")
 
 
-def torchrun_argv(spec: LaunchSpec, plan: NetworkPlan, run_id: str) -> list[str]:
+def torchrun_argv(
+    spec: LaunchSpec, plan: NetworkPlan, run_id: str, backend: str = BACKEND_NAME
+) -> list[str]:
     """The ``torch.distributed.run`` command line for ``spec`` (without the program name).
 
     The rendezvous store at the plan's endpoint is one a ddpkit launcher already hosts (node
     0's, listening on one address only): torchrun's agent only connects to it
-    (``is_host=false``), and advertises ``plan.local_address`` to the workers.
+    (``is_host=false``), and advertises ``plan.local_address`` to the workers. ``backend``:
+    ddpkit's signed c10d rendezvous (:mod:`ddpkit.security.rendezvous_state`).
     """
     # is_host=false: the store is ours, torchrun only connects. read_timeout bounds each of the
     # agent's store calls (torch's default, 60 s, kept a node whose link went down waiting
@@ -216,7 +225,7 @@ def torchrun_argv(spec: LaunchSpec, plan: NetworkPlan, run_id: str) -> list[str]
     conf.update(parse_rdzv_conf(spec.rdzv_conf)[0])
     return [
         f"--nnodes={spec.nnodes_arg}",
-        "--rdzv-backend=c10d",
+        f"--rdzv-backend={backend}",
         f"--rdzv-endpoint={plan.endpoint_host}:{plan.endpoint_port}",
         f"--rdzv-id={run_id}",
         f"--rdzv-conf={','.join(f'{key}={value}' for key, value in conf.items())}",
@@ -278,14 +287,19 @@ def launch(spec: LaunchSpec) -> int:
     for name in _TORCHRUN_LOGGERS:
         logging.getLogger(name).addFilter(quiet)
     agent_logger, announcer = announce_restarts(spec.command, elastic=spec.elastic)
+    key = rendezvous_key(load_token(), several_nodes=spec.nnodes > 1)
     try:
-        argv = torchrun_argv(spec, plan, run_id)
-        with blocked_while_workers_start(spec.stop_signals):
-            torchrun.run(torchrun.parse_args(argv))
+        with signed_rendezvous(key) as backend:
+            argv = torchrun_argv(spec, plan, run_id, backend)
+            with blocked_while_workers_start(spec.stop_signals):
+                torchrun.run(torchrun.parse_args(argv))
         return _stopped(spec, run_dir, None) if stopped_by_workers(run_dir) else 0
     except ChildFailedError as exc:
         codes = {rank: failure.exitcode for rank, failure in exc.failures.items()}
         _print_failure_summary(spec, run_dir, codes)
+        return 1
+    except RendezvousStateRefused as exc:  # someone else wrote the state: its workers stopped
+        print(f"ddpkit run: {exc}", file=sys.stderr)
         return 1
     except RendezvousError as exc:  # this node's agent could not (re)join (several nodes)
         endpoint = f"{plan.endpoint_host}:{plan.endpoint_port}"
@@ -353,7 +367,9 @@ def _print_failure_summary(spec: LaunchSpec, run_dir: str, exit_codes: dict[int,
 class _QuietStop(logging.Filter):
     """Drops torchrun's own warnings about a stop signal ("Received 15 death signal", then
     "Sending process N closing signal SIGTERM", one per worker): the launcher says it in one
-    line. Other warnings (a worker SIGKILLed at the end of the grace period) stay."""
+    line. Also the rendezvous's "failed to shutdown" warning after a refused state (the
+    launcher's line says why). Other warnings (a worker SIGKILLed at the end of the grace
+    period) stay."""
 
     def __init__(self, stop_signals: tuple[signal.Signals, ...]) -> None:
         super().__init__()
@@ -362,6 +378,8 @@ class _QuietStop(logging.Filter):
 
     def filter(self, record: logging.LogRecord) -> bool:
         text = record.getMessage()
+        if RendezvousStateRefused.__name__ in text:
+            return False
         for sig in self.signals:
             if f"Received {int(sig)} death signal" in text or f"Received {sig.name} death" in text:
                 self.stopping = True
@@ -372,6 +390,7 @@ class _QuietStop(logging.Filter):
 _TORCHRUN_LOGGERS = (
     "torch.distributed.elastic.agent.server.api",
     "torch.distributed.elastic.multiprocessing.api",
+    "torch.distributed.elastic.rendezvous.dynamic_rendezvous",
 )
 
 
