@@ -224,6 +224,7 @@ class CheckpointManager:
             runtime.live.heal_source = self._heal_payload
             runtime.live.heal_local = rng_state
             runtime.live.heal_sink = self._healed
+            runtime.live.heal_unsafe_pickle = unsafe_pickle
 
     def _managed(self, action: str) -> dict[str, Any]:
         if not self.state:

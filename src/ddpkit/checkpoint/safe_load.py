@@ -80,7 +80,7 @@ def _refused(path: Path, detail: str) -> DataError:
 
 
 def _global_named(message: str) -> str:
-    found = re.search(r"Unsupported global: GLOBAL (\S+)", message)
+    found = re.search(r"(?:Unsupported global: GLOBAL|unsupported GLOBAL) (\S+)", message)
     if found:
         return f"the global {found.group(1)}"
     found = re.search(r"WeightsUnpickler error: ([^\n]*?)(?:\.\s|$)", message)

@@ -106,6 +106,7 @@ class LiveMembership:
         self.heal_source: Callable[[], dict[str, Any]] | None = None  # rank 0: the state
         self.heal_local: Callable[[], Any] | None = None  # every member: its RNG states
         self.heal_sink: Callable[[dict[str, Any], list[Any], int], None] | None = None  # load
+        self.heal_unsafe_pickle = False  # the CheckpointManager's unsafe_pickle
         self.healed = True  # False for a replacement until a quorum took it in, healed
         self.on_change: list[Callable[[Quorum], None]] = []  # loaders re-shard here
         self._depth = 0  # nesting of guarded operations (only the outermost votes)
@@ -428,7 +429,12 @@ class LiveMembership:
             return True
         try:
             seconds = transfer_state(
-                quorum, self.replica, self.heal_source, self.heal_local, self.heal_sink
+                quorum,
+                self.replica,
+                self.heal_source,
+                self.heal_local,
+                self.heal_sink,
+                unsafe_pickle=self.heal_unsafe_pickle,
             )
         except Exception as exc:  # noqa: BLE001 - the replacement (or the sender) died
             if not is_lost_peer(exc):
