@@ -478,5 +478,9 @@ def test_plain_torch_gives_the_same_validation_loop_only_a_timeout():
     except DistributedTestError as exc:
         assert "timed out after 60 s" in str(exc), exc  # a hang, not a rank's error
         return
-    assert any("Timed out" in r or "timed out" in r for r in results), results
+    # gloo words its timeout "Timed out ..." or, on the peer whose pair it closed, "Application
+    # timeout caused pair closure" (seen under CI load)
+    assert any("timed out" in r.lower() or "application timeout" in r.lower() for r in results), (
+        results
+    )
     assert not any("uneven" in r or "no_grad" in r for r in results), results

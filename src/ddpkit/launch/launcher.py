@@ -30,6 +30,7 @@ import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from ddpkit.diagnostics.failures import LAUNCHER_PID_ENV, RUN_DIR_ENV, done_ranks, read_records
 from ddpkit.distributed.env import ProcessInfo
@@ -287,12 +288,8 @@ def launch(spec: LaunchSpec) -> int:
     for name in _TORCHRUN_LOGGERS:
         logging.getLogger(name).addFilter(quiet)
     agent_logger, announcer = announce_restarts(spec.command, elastic=spec.elastic)
-    key = rendezvous_key(load_token(), several_nodes=spec.nnodes > 1)
     try:
-        with signed_rendezvous(key) as backend:
-            argv = torchrun_argv(spec, plan, run_id, backend)
-            with blocked_while_workers_start(spec.stop_signals):
-                torchrun.run(torchrun.parse_args(argv))
+        _run_agent(torchrun, spec, plan, run_id)
         return _stopped(spec, run_dir, None) if stopped_by_workers(run_dir) else 0
     except ChildFailedError as exc:
         codes = {rank: failure.exitcode for rank, failure in exc.failures.items()}
@@ -323,6 +320,16 @@ def launch(spec: LaunchSpec) -> int:
         del rdzv_store
         if reserved is not None:
             reserved.close()
+
+
+def _run_agent(torchrun: Any, spec: LaunchSpec, plan: NetworkPlan, run_id: str) -> None:
+    """This node's torchrun agent (``torch.distributed.run``), until its workers end, with
+    ddpkit's signed rendezvous backend (:mod:`ddpkit.security.rendezvous_state`)."""
+    key = rendezvous_key(load_token(), several_nodes=spec.nnodes > 1)
+    with signed_rendezvous(key) as backend:
+        argv = torchrun_argv(spec, plan, run_id, backend)
+        with blocked_while_workers_start(spec.stop_signals):
+            torchrun.run(torchrun.parse_args(argv))
 
 
 def _reserve_master_port(spec: LaunchSpec, plan: NetworkPlan) -> socket.socket | None:
