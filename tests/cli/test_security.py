@@ -46,6 +46,24 @@ def _wait_for(path, proc, timeout_s: float = 60) -> None:
         time.sleep(0.05)
 
 
+def _start_job(tmp_path, token: str | None) -> subprocess.Popen:
+    """``ddpkit run -n 2`` of :data:`JOB` in its own session, with ``token`` or none."""
+    script = tmp_path / "job.py"
+    script.write_text(textwrap.dedent(JOB))
+    env = {**os.environ, "TEST_DIR": str(tmp_path)}
+    env.pop("DDPKIT_JOB_TOKEN", None)
+    if token:
+        env["DDPKIT_JOB_TOKEN"] = token
+    return subprocess.Popen(
+        [sys.executable, "-m", "ddpkit", "run", "-n", "2", str(script)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+        start_new_session=True,
+    )
+
+
 def _intruder_env(store: dict, token: str | None) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith(("DDPKIT_", "TORCHELASTIC"))}
     env.update(
@@ -63,17 +81,7 @@ def _intruder_env(store: dict, token: str | None) -> dict[str, str]:
 
 @pytest.mark.slow
 def test_job_listens_on_loopback_only_and_refuses_a_wrong_token(tmp_path):
-    script = tmp_path / "job.py"
-    script.write_text(textwrap.dedent(JOB))
-    env = {**os.environ, "TEST_DIR": str(tmp_path), "DDPKIT_JOB_TOKEN": TOKEN}
-    job = subprocess.Popen(
-        [sys.executable, "-m", "ddpkit", "run", "-n", "2", str(script)],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        env=env,
-        start_new_session=True,
-    )
+    job = _start_job(tmp_path, TOKEN)
     try:
         _wait_for(tmp_path / "store.json", job)
         listeners = listening_sockets(descendants(job.pid))
@@ -153,21 +161,8 @@ def test_a_pickle_written_into_the_rendezvous_store_never_runs(tmp_path, token):
     # torchrun this payload runs in the agent within a second (docs/security.md).
     import pickle
 
-    script = tmp_path / "job.py"
-    script.write_text(textwrap.dedent(JOB))
-    env = {**os.environ, "TEST_DIR": str(tmp_path)}
-    env.pop("DDPKIT_JOB_TOKEN", None)
-    if token:
-        env["DDPKIT_JOB_TOKEN"] = token
     marker = tmp_path / "payload-ran"
-    job = subprocess.Popen(
-        [sys.executable, "-m", "ddpkit", "run", "-n", "2", str(script)],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        env=env,
-        start_new_session=True,
-    )
+    job = _start_job(tmp_path, token)
     try:
         _wait_for(tmp_path / "store.json", job)
         workers = descendants(job.pid) - {job.pid}
