@@ -92,7 +92,9 @@ def test_a_rank_slowed_by_sigstop_is_named_and_a_run_left_alone_names_no_one(mni
     stragglers = summary["stragglers"]
     assert [(n["rank"], n["phase"]) for n in stragglers["named"]] == [(1, "compute")], stragglers
     named = stragglers["named"][0]
-    assert named["factor"] >= 1.25 and named["named_step"] <= 100, named
+    # when it is named depends on the load (a calm window under a busy CI restarts the streak);
+    # the earliest step, warmup + patience windows, is tested with set timings in the unit tests
+    assert named["factor"] >= 1.25 and 80 <= named["named_step"] <= STEPS, named
     lines = [line for line in output.splitlines() if "straggler: rank" in line]
     assert len(lines) == 1 and lines[0].startswith("[rank 0/2] WARNING: straggler: rank 1 (host ")
     # the fast rank waits for the slow one: its collective wait is the larger
