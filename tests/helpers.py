@@ -5,7 +5,9 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import time
 from dataclasses import dataclass
+from pathlib import Path
 
 import pytest
 
@@ -113,3 +115,17 @@ def run_main(argv: list[str], capsys) -> tuple[int, str]:
     except SystemExit as exc:  # argparse's own errors
         code = exc.code
     return code, capsys.readouterr().err
+
+
+def checkpoint_writer(directory: Path) -> subprocess.Popen:
+    """Start a checkpoint-writing job on ``directory``; return once it saved one checkpoint."""
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "ddpkit.testing.checkpoint_writer", str(directory)],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    assert proc.stdout.readline().strip() == "ready", proc.communicate(timeout=30)[1][-2000:]
+    deadline = time.monotonic() + 30
+    while not list(directory.glob("step-*/manifest.json")):
+        assert time.monotonic() < deadline, "the writer saved nothing in 30 s"
+        time.sleep(0.01)
+    return proc

@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-from tests.helpers import descendants, listening_sockets, pid_alive, run_cli
+from tests.helpers import checkpoint_writer, descendants, listening_sockets, pid_alive, run_cli
 
 TOKEN = "0123456789abcdef0123456789abcdef"
 
@@ -181,3 +181,24 @@ def test_a_pickle_written_into_the_rendezvous_store_never_runs(tmp_path, token):
     assert reason in lines[0], lines[0]
     assert "Traceback" not in err, err
     assert not any(pid_alive(pid) for pid in workers)
+
+
+def test_a_second_train_on_a_running_jobs_folder_is_refused_before_any_worker_starts(
+    tmp_path, mnist_dir
+):
+    checkpoints = tmp_path / "out" / "checkpoints"
+    first = checkpoint_writer(checkpoints)  # a running job, saving into the folder
+    try:
+        second = run_cli(
+            ["-m", "ddpkit", "train", "--nproc", "2", "--data-dir", str(mnist_dir),
+             "--output-dir", str(tmp_path / "out"), "--max-steps", "20", "--progress", "off"],
+            timeout_s=60,
+        )  # fmt: skip
+        assert second.returncode == 2, second.stderr[-2000:]
+        lines = second.stderr.strip().splitlines()
+        assert len(lines) == 1 and "[rank" not in second.stdout + second.stderr, second
+        assert f"is in use by another job: pid {first.pid} on " in lines[0]
+        assert first.poll() is None and list(checkpoints.glob("step-*/manifest.json"))
+    finally:
+        first.kill()
+        first.wait(timeout=10)

@@ -58,7 +58,39 @@ def test_corrupt_newest_falls_back_to_previous_and_says_so(tmp_path, capsys):
     err = capsys.readouterr().err
     assert "skipping checkpoint step-00000020: corrupt checkpoint" in err
     assert "Falling back to the previous one" in err
-    assert not (tmp_path / "step-00000020").exists()  # the abandoned future is removed
+    # out of the way of later saves and resumes, never deleted (a read error may be transient)
+    aside = tmp_path / "set-aside" / "step-00000020"
+    assert not (tmp_path / "step-00000020").exists() and (aside / "state.pt").read_bytes() == data
+    assert "checkpoint step-00000020 (unreadable: corrupt checkpoint" in err
+    assert f"moved to {aside}: nothing was deleted" in err
+    for step in (11, 12, 13, 14, 15, 16):  # keep_last=5: pruning never reaches the set-aside one
+        ckpt.save(step)
+    assert (aside / "state.pt").read_bytes() == data
+    with pytest.raises(DataError, match="corrupt checkpoint"):  # still what it was
+        ckpt.resume(aside)
+
+
+def test_no_readable_checkpoint_starts_at_0_and_sets_every_one_aside(tmp_path, capsys):
+    ckpt, model = _save_steps(tmp_path, [10, 20])
+    for step in (10, 20):
+        (tmp_path / f"step-{step:08d}" / "state.pt").write_bytes(b"torn")
+    ddpkit.configure_logging(ProcessInfo())
+    assert ckpt.resume() == 0
+    assert sorted(p.name for p in (tmp_path / "set-aside").iterdir()) == [
+        "step-00000010", "step-00000020"
+    ]  # fmt: skip
+    assert list_checkpoints(tmp_path) == []
+    assert capsys.readouterr().err.count("nothing was deleted") == 2
+
+
+def test_resuming_an_older_checkpoint_sets_the_newer_ones_aside(tmp_path):
+    ckpt, model = _save_steps(tmp_path, [10, 20])
+    assert ckpt.resume(tmp_path / "step-00000010") == 10
+    assert [p.name for p in list_checkpoints(tmp_path)] == ["step-00000010"]
+    assert load_checkpoint(tmp_path / "set-aside" / "step-00000020")["step"] == 20
+    ckpt.save(20)  # the new history's step 20 beside the set-aside one
+    assert ckpt.resume() == 20
+    assert load_checkpoint(tmp_path / "set-aside" / "step-00000020")["step"] == 20
 
 
 def test_incomplete_folder_without_manifest_is_skipped(tmp_path):
@@ -109,6 +141,7 @@ def test_killing_the_writer_never_leaves_an_unloadable_newest(tmp_path):
         assert found is not None, f"trial {trial}: no loadable checkpoint"
         newest_complete = [p for p in list_checkpoints(tmp_path) if (p / "manifest.json").exists()]
         assert found[0] == newest_complete[0]  # the newest complete one loads, no fallback needed
+        del ckpt  # the folder's lock goes with it: the next writer may take the folder
 
 
 def test_every_steps_and_every_epochs(tmp_path):

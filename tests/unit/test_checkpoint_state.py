@@ -14,6 +14,7 @@ from torch import nn
 
 import ddpkit
 from ddpkit.checkpoint.io import load_checkpoint
+from ddpkit.checkpoint.lock import LOCK_NAME
 from ddpkit.distributed.env import ProcessInfo
 from ddpkit.distributed.process_group import Runtime
 from ddpkit.errors import DataError
@@ -43,7 +44,9 @@ class _Ema:
 
 
 def _leftovers(directory) -> list[str]:
-    return sorted(p.name for p in directory.iterdir()) if directory.exists() else []
+    if not directory.exists():
+        return []
+    return sorted(p.name for p in directory.iterdir() if p.name != LOCK_NAME)  # the job's lock
 
 
 def test_tensor_in_extra_is_refused_naming_the_key_and_nothing_is_written(tmp_path):

@@ -54,6 +54,7 @@ from ddpkit.checkpoint.io import (
     read_manifest,
     write_checkpoint,
 )
+from ddpkit.checkpoint.lock import lock_directory
 from ddpkit.checkpoint.objects import (
     LOCAL_SGD_NOTE,
     check_extra,
@@ -74,6 +75,18 @@ from ddpkit.log import get_logger
 from ddpkit.parallel.wrap import unwrap_model
 
 log = get_logger("checkpoint")
+SET_ASIDE = "set-aside"  # checkpoints a resume moved out of the way: never deleted by ddpkit
+
+
+def set_aside(folder: Path, into: Path) -> Path:
+    """Move ``folder`` into the folder ``into`` (created), under a new name if that one is
+    taken; returns where it went. A rename: the same file system, nothing copied."""
+    into.mkdir(exist_ok=True)
+    target, n = into / folder.name, 1
+    while target.exists():
+        target, n = into / f"{folder.name}.{n}", n + 1
+    folder.rename(target)
+    return target
 
 
 def check_compatible(folder: Path, manifest: dict, extra: dict | None) -> None:
@@ -177,8 +190,13 @@ class CheckpointManager:
             in one line naming the class (allow it with
             ``torch.serialization.add_safe_globals``).
 
+    Rank 0 takes ``directory``'s lock while the manager lives (not in live fault-tolerance
+    mode): a second job on the same folder is refused (:mod:`ddpkit.checkpoint.lock`).
+
     Raises:
-        ConfigError: ``keep_last < 1``, or a negative ``every_steps``/``every_epochs``.
+        ConfigError: ``keep_last < 1``, or a negative ``every_steps``/``every_epochs``; on rank
+            0: another job holds ``directory``'s lock (named), or it cannot be created or
+            written.
         TypeError: ``state`` is not a dict of objects with ``state_dict``/``load_state_dict``,
             or ``extra`` holds a non-JSON value (on every rank, before anything happens).
 
@@ -216,10 +234,13 @@ class CheckpointManager:
         self.unsafe_pickle = unsafe_pickle
         self.save_s = 0.0  # seconds spent in save() so far (the goodput's checkpoint time)
         self._newest: tuple[int, Path] | None = None  # the newest complete checkpoint known
+        self._unreadable: dict[str, str] = {}  # folder name -> why the last resume skipped it
         self.every_epochs = every_epochs
         self.async_save = async_save
         self._async: AsyncShardedSaves | None = None
         self._forgotten = ForgottenStateCheck()  # a scheduler/scaler left out of state
+        if runtime.live is None and runtime.is_rank_zero:  # one job per folder
+            lock_directory(self.directory, self)
         if runtime.live is not None:  # a replacement heals from this state, sent live
             runtime.live.heal_source = self._heal_payload
             runtime.live.heal_local = rng_state
@@ -436,10 +457,12 @@ class CheckpointManager:
         Newer checkpoints that fail their checksum (or lack a manifest) are skipped with a
         warning naming them; the previous complete one is used. Not a collective.
         """
+        self._unreadable = {}
         for folder in list_checkpoints(self.directory):
             try:
                 return folder, load_checkpoint(folder, unsafe_pickle=self.unsafe_pickle)
             except DataError as exc:
+                self._unreadable[folder.name] = str(exc)
                 log.warning(
                     "skipping checkpoint %s: %s Falling back to the previous one.", folder.name, exc
                 )
@@ -450,9 +473,12 @@ class CheckpointManager:
         its step, 0 if there is none (the state is left as it is).
 
         Storages are mapped to CPU, then each tensor goes to the device of the object it is
-        loaded into (never every rank onto cuda:0). Checkpoints newer than the one resumed (an
-        abandoned future, e.g. when ``path`` names an older one) are deleted, so later saves and
-        ``resume`` calls never mix two histories. Nothing in the checkpoint runs code: only allowed
+        loaded into (never every rank onto cuda:0). Checkpoints newer than the one resumed (skipped
+        as unreadable, or an abandoned future when ``path`` names an older one) are moved by rank
+        0 into ``DIRECTORY/set-aside/`` with a warning naming where, never deleted, so later
+        saves and ``resume`` calls never mix two histories and a checkpoint that failed to read
+        once (a transient error) is still there. Also when none could be read (the resume starts
+        at 0). Nothing in the checkpoint runs code: only allowed
         types are unpickled (see ``unsafe_pickle``). Sharded state is resharded for this world size
         by ``torch.distributed.checkpoint``; a ``ZeroRedundancyOptimizer`` of an older checkpoint
         takes its own shard of the consolidated state (on any number of ranks).
@@ -498,6 +524,7 @@ class CheckpointManager:
 
     def _resume(self, path: str | Path | None) -> int:
         self.wait()  # an asynchronous save in flight is committed first
+        self._unreadable = {}
         if path is not None:
             found: tuple[Path, dict[str, Any]] | None = (
                 Path(path), load_checkpoint(Path(path), unsafe_pickle=self.unsafe_pickle)
@@ -512,20 +539,36 @@ class CheckpointManager:
                 "on a filesystem every rank sees the same way."
             )
         if found is None:
+            self._set_aside_newer_than(-1)  # every one unreadable: kept aside, never pruned
             return 0
         folder, state = found
         manifest = read_manifest(folder)
         check_compatible(folder, manifest, self.extra)
         note = self._restore(folder, state, int(manifest.get("world_size") or 0))
-        barrier(self.runtime)  # every rank has read it before newer ones are removed
-        if self.runtime.is_rank_zero:
-            for newer in list_checkpoints(self.directory):
-                if int(newer.name[5:]) > int(state["step"]):
-                    shutil.rmtree(newer, ignore_errors=True)
+        barrier(self.runtime)  # every rank has read it before newer ones are moved away
+        self._set_aside_newer_than(int(state["step"]))
         barrier(self.runtime)
         self._newest = (int(state["step"]), folder)
         log.info("resumed from %s (step %d)%s", folder, state["step"], note)
         return int(state["step"])
+
+    def _set_aside_newer_than(self, step: int) -> None:
+        """Rank 0: move the checkpoints newer than ``step`` (skipped as unreadable, or an
+        abandoned future) into ``DIRECTORY/set-aside/``, out of the way of later saves and
+        resumes but never deleted: an unreadable one may have been a transient read error."""
+        if not self.runtime.is_rank_zero:
+            return
+        for newer in list_checkpoints(self.directory):
+            if int(newer.name[5:]) <= step:
+                continue
+            reason = self._unreadable.get(newer.name)
+            why = f"unreadable: {reason}" if reason else f"newer than the resumed step {step}"
+            aside = set_aside(newer, self.directory / SET_ASIDE)
+            log.warning(
+                "checkpoint %s (%s) moved to %s: nothing was deleted; resume it with "
+                "resume(path) once it reads again, or delete it when you no longer need it.",
+                newer.name, why, aside,
+            )  # fmt: skip
 
     def _heal_payload(self) -> dict[str, Any]:
         """Live fault tolerance, on the member that heals a replacement: the managed state as a

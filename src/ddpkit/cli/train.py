@@ -21,6 +21,7 @@ import torch
 from ddpkit.app.mnist.config import SECTIONS, TrainConfig, check
 from ddpkit.app.mnist.data import RANK_MEMORY_MIB, DataSource, resolve_data
 from ddpkit.app.mnist.job import train_mnist
+from ddpkit.app.mnist.outputs import checkpoint_folder
 from ddpkit.app.mnist.resume import (
     check_strategy,
     checkpoint_settings,
@@ -28,6 +29,7 @@ from ddpkit.app.mnist.resume import (
     plan_batch,
     stop_note,
 )
+from ddpkit.checkpoint.lock import check_unlocked
 from ddpkit.checkpoint.manager import check_compatible
 from ddpkit.cli.flags import add_settings_arguments, given_settings
 from ddpkit.cli.run import LIVE_MAX_RESTARTS
@@ -120,6 +122,7 @@ def run(args: argparse.Namespace) -> int:
     config, source = _fit_to_data(config, source, given)
     _check_resume(config, source, nproc)
     make_output_folder(config.output_dir)  # a one-line error where mkdir fails (#16)
+    check_unlocked(checkpoint_folder(config.output_dir))  # another job's folder: before launch
     if info.is_distributed:  # torchrun -m ddpkit train, or srun -n 2
         return _train_here(config, source, worker=False)
     if config.fault_tolerance == "live" and "max_restarts" not in given:

@@ -30,7 +30,7 @@ from ddpkit.app.mnist.exporting import Exporters, exporter_settings
 from ddpkit.app.mnist.goodput import Goodput, goodput_line
 from ddpkit.app.mnist.model import build_model, build_optimizer, optimizer_spec
 from ddpkit.app.mnist.monitor import TrainingMonitor
-from ddpkit.app.mnist.outputs import finite_or_none, reset_outputs
+from ddpkit.app.mnist.outputs import checkpoint_folder, finite_or_none, reset_outputs
 from ddpkit.app.mnist.resume import BatchPlan, checkpoint_settings, plan_batch
 from ddpkit.app.mnist.schedule import LRStepper
 from ddpkit.app.mnist.stopping import check_grace_period, slow_evaluation
@@ -278,7 +278,7 @@ def build_training(
         plan = BatchPlan(*requested, requested[0] * requested[1] * runtime.world_size, requested)
     settings = checkpoint_settings(config, source.dataset, plan)
     ckpt = CheckpointManager(
-        Path(config.output_dir) / "checkpoints", runtime, state=state,
+        checkpoint_folder(config.output_dir), runtime, state=state,
         every_steps=config.checkpoint_every, extra=settings, async_save=config.async_checkpoint,
         unsafe_pickle=config.unsafe_pickle,
     )  # fmt: skip

@@ -15,6 +15,7 @@ import math
 import shutil
 from pathlib import Path
 
+from ddpkit.checkpoint.lock import LOCK_NAME
 from ddpkit.distributed.collectives import barrier
 from ddpkit.distributed.process_group import Runtime
 from ddpkit.files import write_text_atomic
@@ -22,6 +23,11 @@ from ddpkit.files import write_text_atomic
 
 def finite_or_none(value: float) -> float | None:
     return value if math.isfinite(value) else None  # JSON has no NaN/Inf
+
+
+def checkpoint_folder(output_dir: str | Path) -> Path:
+    """Where ``ddpkit train`` keeps the checkpoints of the run in ``output_dir``."""
+    return Path(output_dir) / "checkpoints"
 
 
 # file stem -> the record's counter key; ranks: each rank's straggler window figures
@@ -40,8 +46,10 @@ def reset_outputs(
     if runtime.is_rank_zero:
         for name in ("summary.json", "model.pt"):
             (output_dir / name).unlink(missing_ok=True)
-        if completed_epochs is None:
-            shutil.rmtree(output_dir / "checkpoints", ignore_errors=True)
+        if completed_epochs is None:  # the checkpoint folder's lock (this job's) stays
+            for old in checkpoint_folder(output_dir).glob("*"):
+                if old.name != LOCK_NAME:
+                    shutil.rmtree(old, ignore_errors=True)
             shutil.rmtree(output_dir / "tensorboard", ignore_errors=True)
         limits = {"epoch": completed_epochs, "step": completed_step}
         for stem, key in RECORD_FILES.items():

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ddpkit.app.mnist.config import TrainConfig, resume_settings
+from ddpkit.app.mnist.outputs import checkpoint_folder
 from ddpkit.checkpoint.io import read_manifest
 from ddpkit.checkpoint.manager import newest_manifest
 from ddpkit.checkpoint.sharded import layout_refusal
@@ -51,7 +52,7 @@ def interrupted_note(
         >>> interrupted_note("/nonexistent", ["train"])
         '; no checkpoint saved (--checkpoint-every N saves them): a rerun starts at step 0'
     """
-    found = newest_manifest(Path(output_dir) / "checkpoints")
+    found = newest_manifest(checkpoint_folder(output_dir))
     if found is None:
         return "; no checkpoint saved (--checkpoint-every N saves them): a rerun starts at step 0"
     folder = found[0]
@@ -91,7 +92,7 @@ def resume_manifest(config: TrainConfig) -> tuple[Path, dict] | None:
     if not config.resume:
         return None
     if config.resume == "auto":
-        return newest_manifest(Path(config.output_dir) / "checkpoints")
+        return newest_manifest(checkpoint_folder(config.output_dir))
     return Path(config.resume), read_manifest(Path(config.resume))
 
 
@@ -204,7 +205,7 @@ def stop_note(stopped: TrainingStopped, output_dir: str | os.PathLike[str], argv
     if argv:
         note = interrupted_note(output_dir, argv, saved=stopped.saved)
     else:
-        found = newest_manifest(Path(output_dir) / "checkpoints")
+        found = newest_manifest(checkpoint_folder(output_dir))
         kept = kept_checkpoint(found[0], saved=stopped.saved) if found else "; no checkpoint"
         launcher = "srun" if "SLURM_JOB_ID" in os.environ else "torchrun"
         note = f"{kept}; resume: rerun the same {launcher} command with --resume auto"
