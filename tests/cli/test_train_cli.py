@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from tests.helpers import run_cli, run_main
@@ -186,3 +188,31 @@ def test_resume_with_a_strategy_the_checkpoint_cannot_load_is_refused_before_lau
     assert code == 2 and len(err.strip().splitlines()) == 1, err
     assert expected in err and "Resume with the strategy it was saved with" in err, err
     assert sorted(p.name for p in out.iterdir()) == ["checkpoints"]  # nothing written
+
+
+def test_a_fresh_run_in_a_folder_holding_an_earlier_run_is_refused_and_nothing_is_lost(
+    tmp_path, capsys
+):
+    out = tmp_path / "out"
+    earlier = {  # an earlier run's checkpoints and outputs (or files of the user's own)
+        "checkpoints/step-00000200/state.pt": b"200", "checkpoints/step-00000322/state.pt": b"322",
+        "summary.json": b"{}", "model.pt": b"mine", "metrics.csv": b"epoch\n1\n",
+    }  # fmt: skip
+    for name, data in earlier.items():
+        (out / name).parent.mkdir(parents=True, exist_ok=True)
+        (out / name).write_bytes(data)
+    argv = ["train", "--dataset", "digits", "--nproc", "1", "--max-steps", "2",
+            "--output-dir", str(out), "--progress", "off"]  # fmt: skip
+    code, err = run_main(argv, capsys)
+    assert code == 2 and len(err.strip().splitlines()) == 1, err
+    assert (
+        f"--output-dir {out} holds an earlier run (checkpoints/step-00000322, "
+        "checkpoints/step-00000200, summary.json, model.pt and 1 more), which a fresh run would "
+        "delete: continue it with --resume auto, or start afresh in another --output-dir, or "
+        "pass --overwrite to delete it." in err
+    )
+    assert {n: (out / n).read_bytes() for n in earlier} == earlier  # nothing touched
+    code, err = run_main([*argv, "--overwrite"], capsys)
+    assert code == 0, err
+    assert not (out / "checkpoints" / "step-00000322").exists()
+    assert json.loads((out / "summary.json").read_text())["final_step"] == 2

@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import logging
+import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -130,6 +133,23 @@ def test_detect_process_info_rejects_contradictions():
         detect_process_info({"RANK": "2", "WORLD_SIZE": "2"})
     with pytest.raises(ConfigError, match="WORLD_SIZE='two'. It must be an integer"):
         detect_process_info({"RANK": "0", "WORLD_SIZE": "two"})
+
+
+def test_world_size_without_a_launcher_is_refused_not_run_as_one_process(tmp_path):
+    assert detect_process_info({"WORLD_SIZE": "1"}) == ProcessInfo()
+    script = tmp_path / "train.py"
+    script.write_text("import ddpkit\nwith ddpkit.init_runtime('gloo') as rt:\n    print(rt)\n")
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "LOCAL_RANK", "SLURM_PROCID")}
+    done = subprocess.run(
+        [sys.executable, str(script)], env={**env, "WORLD_SIZE": "4"}, capture_output=True,
+        text=True, timeout=120,
+    )  # fmt: skip
+    assert done.returncode != 0 and done.stdout == "", done
+    assert (
+        "ConfigError: WORLD_SIZE=4 is set but RANK is not, so no launcher started this process "
+        "and it would train alone, as rank 0 of 1. Start the 4 ranks with `ddpkit run -n 4 "
+        "script.py` (or `torchrun --nproc-per-node 4 script.py`), or unset WORLD_SIZE."
+    ) in done.stderr
 
 
 def test_sampler_shards_are_disjoint_complete_and_reshuffled_each_epoch():

@@ -9,11 +9,13 @@ already inside a launched job (``torchrun -m ddpkit train``) — trains in this 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import functools
 import os
 import sys
 import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -21,7 +23,7 @@ import torch
 from ddpkit.app.mnist.config import SECTIONS, TrainConfig, check
 from ddpkit.app.mnist.data import RANK_MEMORY_MIB, DataSource, resolve_data
 from ddpkit.app.mnist.job import train_mnist
-from ddpkit.app.mnist.outputs import checkpoint_folder
+from ddpkit.app.mnist.outputs import check_fresh_output, checkpoint_folder
 from ddpkit.app.mnist.resume import (
     check_strategy,
     checkpoint_settings,
@@ -123,6 +125,8 @@ def run(args: argparse.Namespace) -> int:
     _check_resume(config, source, nproc)
     make_output_folder(config.output_dir)  # a one-line error where mkdir fails (#16)
     check_unlocked(checkpoint_folder(config.output_dir))  # another job's folder: before launch
+    if not (config.resume or config.overwrite or restarted):
+        check_fresh_output(config.output_dir)  # an earlier run is never deleted unasked
     if info.is_distributed:  # torchrun -m ddpkit train, or srun -n 2
         return _train_here(config, source, worker=False)
     if config.fault_tolerance == "live" and "max_restarts" not in given:
@@ -149,7 +153,10 @@ def _launch(config: TrainConfig, source: DataSource, nproc: int, *, argv: list[s
     resolved = dataclasses.replace(
         config, nproc=nproc, dataset=source.dataset, data_dir=directory, download=False
     )
-    with tempfile.TemporaryDirectory(prefix="ddpkit-train-") as folder:
+    with (
+        tempfile.TemporaryDirectory(prefix="ddpkit-train-") as folder,
+        _compile_cache_in(folder, compile=config.compile),
+    ):
         path = Path(folder) / "config.toml"
         path.write_text(to_toml(resolved, SECTIONS))
         target = ["-m", "ddpkit", "train", WORKER_FLAG, str(path)]
@@ -173,6 +180,23 @@ def _launch(config: TrainConfig, source: DataSource, nproc: int, *, argv: list[s
 
             return launch_live(spec)
         return launch(spec)
+
+
+@contextlib.contextmanager
+def _compile_cache_in(folder: str, *, compile: bool) -> Iterator[None]:
+    """Without ``--compile``, the ranks' ``TORCHINDUCTOR_CACHE_DIR`` is inside ``folder`` (the
+    job's own, removed with it): torch makes its compile cache folder,
+    ``$TMPDIR/torchinductor_<user>``, as soon as the optimizer imports ``torch._dynamo``, and
+    leaves it behind empty. With ``--compile``, or the variable set, torch's cache is kept: the
+    next run compiles from it."""
+    if compile or "TORCHINDUCTOR_CACHE_DIR" in os.environ:
+        yield
+        return
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = os.path.join(folder, "torchinductor")
+    try:
+        yield
+    finally:
+        os.environ.pop("TORCHINDUCTOR_CACHE_DIR", None)
 
 
 def _train_here(

@@ -95,7 +95,8 @@ def detect_process_info(environ: Mapping[str, str] | None = None) -> ProcessInfo
 
     Raises:
         ConfigError: a variable is not an integer, or the values contradict each other
-            (``rank >= world_size``, ``local_rank >= local_world_size``).
+            (``rank >= world_size``, ``local_rank >= local_world_size``), or ``WORLD_SIZE`` > 1
+            is set without ``RANK`` (the process was not started by a launcher).
 
     Example:
         >>> detect_process_info({"RANK": "1", "WORLD_SIZE": "2", "LOCAL_RANK": "1"}).rank
@@ -129,6 +130,13 @@ def detect_process_info(environ: Mapping[str, str] | None = None) -> ProcessInfo
             local_world_size=_slurm_tasks_per_node(env, node_rank) or world_size,
             node_rank=node_rank,
             source="slurm",
+        )
+    elif "WORLD_SIZE" in env and _int(env, "WORLD_SIZE") > 1:  # set by hand, no launcher
+        n = _int(env, "WORLD_SIZE")
+        raise ConfigError(
+            f"WORLD_SIZE={n} is set but RANK is not, so no launcher started this process and it "
+            f"would train alone, as rank 0 of 1. Start the {n} ranks with `ddpkit run -n {n} "
+            f"script.py` (or `torchrun --nproc-per-node {n} script.py`), or unset WORLD_SIZE."
         )
     else:
         return ProcessInfo()

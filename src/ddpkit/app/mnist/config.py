@@ -107,6 +107,11 @@ class RunConfig:
         "runs/mnist", "where outputs go (default %(default)s)", check=_output_dir_rule,
         metavar="DIR",
     )  # fmt: skip
+    overwrite: bool = option(
+        False, "start afresh in an OUTPUT_DIR that holds an earlier run, deleting its "
+        "checkpoints and outputs (without it such a folder is refused: --resume auto continues "
+        "the run)",
+    )  # fmt: skip
 
 
 @dataclass(frozen=True)

@@ -18,6 +18,7 @@ from pathlib import Path
 from ddpkit.checkpoint.lock import LOCK_NAME
 from ddpkit.distributed.collectives import barrier
 from ddpkit.distributed.process_group import Runtime
+from ddpkit.errors import ConfigError
 from ddpkit.files import write_text_atomic
 
 
@@ -28,6 +29,35 @@ def finite_or_none(value: float) -> float | None:
 def checkpoint_folder(output_dir: str | Path) -> Path:
     """Where ``ddpkit train`` keeps the checkpoints of the run in ``output_dir``."""
     return Path(output_dir) / "checkpoints"
+
+
+def earlier_run(output_dir: str | Path) -> list[str]:
+    """What an earlier run left in ``output_dir`` that a fresh run would delete or overwrite:
+    its checkpoints (``checkpoints/step-*``, newest first), then the output files, by name."""
+    out = Path(output_dir)
+    steps = sorted(checkpoint_folder(out).glob("step-*"), reverse=True)
+    found = [f"{checkpoint_folder(out).name}/{p.name}" for p in steps]
+    records = [f"{stem}.{suffix}" for stem in RECORD_FILES for suffix in ("jsonl", "csv")]
+    for name in ("summary.json", "model.pt", *records, "tensorboard", "attempts"):
+        if (out / name).exists():
+            found.append(name)
+    return found
+
+
+def check_fresh_output(output_dir: str | Path) -> None:
+    """Refuse a fresh run in a folder that holds an earlier one (before anything starts).
+
+    Raises:
+        ConfigError: ``output_dir`` holds checkpoints or outputs of an earlier run (named).
+    """
+    found = earlier_run(output_dir)
+    if found:
+        shown = ", ".join(found[:4]) + (f" and {len(found) - 4} more" if len(found) > 4 else "")
+        raise ConfigError(
+            f"--output-dir {output_dir} holds an earlier run ({shown}), which a fresh run would "
+            "delete: continue it with --resume auto, or start afresh in another --output-dir, "
+            "or pass --overwrite to delete it."
+        )
 
 
 # file stem -> the record's counter key; ranks: each rank's straggler window figures
