@@ -229,3 +229,56 @@ def test_which_saved_layouts_resume_into_which_objects(tmp_path, saved, job, ref
         kind = saved or "unsharded (state.pt)"
         assert problem.startswith(f"checkpoint {tmp_path} holds state['x'] as {kind}; this job's ")
         assert "state['x'] is a Thing. Resume with the strategy it was saved with" in problem
+
+
+def _saved_run(tmp_path, model: nn.Module, lr: float = 0.1) -> None:
+    opt = torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9)
+    ddpkit.CheckpointManager(tmp_path, _runtime(), state={"model": model, "opt": opt}).save(20)
+
+
+def test_a_model_that_changed_shape_is_one_line_naming_the_checkpoint_and_how_to_start_fresh(
+    tmp_path,
+):
+    _saved_run(tmp_path, nn.Sequential(nn.Linear(3, 8), nn.ReLU(), nn.Linear(8, 2)))
+    wider = nn.Sequential(nn.Linear(3, 16), nn.ReLU(), nn.Linear(16, 2), nn.Linear(2, 2))
+    before = [p.detach().clone() for p in wider.parameters()]
+    opt = torch.optim.SGD(wider.parameters(), lr=0.1)
+    ckpt = ddpkit.CheckpointManager(tmp_path, _runtime(), state={"model": wider, "opt": opt})
+    with pytest.raises(DataError) as refused:
+        ckpt.resume()
+    assert str(refused.value) == (
+        f"checkpoint {tmp_path / 'step-00000020'} does not fit state['model'] (Sequential): "
+        "3 of another shape: 0.weight [8, 3] in the checkpoint, [16, 3] in the model, 0.bias "
+        "[8] in the checkpoint, [16] in the model, 2.weight [2, 8] in the checkpoint, [2, 16] in "
+        "the model; 2 missing from the checkpoint: 3.weight, 3.bias. The model changed since "
+        "it was saved: resume with the model it was saved from, or start fresh in another "
+        "checkpoint folder (ddpkit train: another --output-dir, or --overwrite)."
+    )
+    assert all(torch.equal(a, b) for a, b in zip(before, wider.parameters(), strict=True))
+
+
+def test_an_edited_optimizer_setting_is_named_and_the_checkpoints_wins(tmp_path, capsys):
+    model = nn.Linear(3, 2)
+    _saved_run(tmp_path, model, lr=0.1)
+    ddpkit.configure_logging(ProcessInfo())
+    opt = torch.optim.SGD(model.parameters(), lr=0.5, momentum=0.9)  # edited: 0.1 -> 0.5
+    ddpkit.CheckpointManager(tmp_path, _runtime(), state={"model": model, "opt": opt}).resume()
+    err = capsys.readouterr().err
+    assert opt.param_groups[0]["lr"] == 0.1  # torch restores the checkpoint's
+    assert (
+        "resuming step-00000020: state['opt'] was built with other settings than the "
+        "checkpoint's (lr 0.5 here, 0.1 in the checkpoint); the checkpoint's are restored"
+    ) in err
+    # a scheduler moves lr every step: the scheduled lr is no edit, its initial_lr would be
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+    state = {"model": model, "opt": opt, "sched": sched}
+    ckpt = ddpkit.CheckpointManager(tmp_path / "s", _runtime(), state=state)
+    opt.step(), sched.step()
+    ckpt.save(1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+    state = {**state, "opt": opt, "sched": sched}
+    ckpt = ddpkit.CheckpointManager(tmp_path / "s", _runtime(), state=state)
+    assert ckpt.resume() == 1 and opt.param_groups[0]["lr"] == 0.05
+    assert "other settings" not in capsys.readouterr().err

@@ -37,6 +37,7 @@ import torch
 import torch.distributed as dist
 
 from ddpkit.checkpoint.async_save import AsyncShardedSaves
+from ddpkit.checkpoint.changes import check_module_fits, optimizer_changes
 from ddpkit.checkpoint.consistency import (
     BUFFERS_OF,
     describe,
@@ -76,6 +77,12 @@ from ddpkit.parallel.wrap import unwrap_model
 
 log = get_logger("checkpoint")
 SET_ASIDE = "set-aside"  # checkpoints a resume moved out of the way: never deleted by ddpkit
+
+
+def _optimizer_changes(obj: Any, saved: Any) -> list[str]:
+    if isinstance(obj, torch.optim.Optimizer) and isinstance(saved, dict):
+        return optimizer_changes(obj, saved)
+    return []
 
 
 def set_aside(folder: Path, into: Path) -> Path:
@@ -620,6 +627,8 @@ class CheckpointManager:
         loaders = [n for n, obj in managed.items() if isinstance(obj, ShardedLoader)]
         modules = [n for n, o in managed.items() if isinstance(o, torch.nn.Module) and n in saved]
         rest = [n for n in managed if n not in loaders + modules and n in saved]
+        for name in modules:  # a model that changed: one line, before anything is loaded
+            check_module_fits(folder, name, managed[name], saved[name])
         for name in loaders:  # an old state has no world size: it is the manifest's
             managed[name].load_state_dict({"world_size": saved_world_size, **saved[name]})
         for name in modules:
@@ -627,7 +636,15 @@ class CheckpointManager:
         if sharded:  # the sharded model and optimizers, resharded (one collective)
             load_sharded(self.runtime, folder, managed, sharded, self.unsafe_pickle)
         for name in rest:
+            changed = _optimizer_changes(managed[name], saved[name])
             managed[name].load_state_dict(saved[name])
+            if changed and self.runtime.is_rank_zero:
+                log.warning(
+                    "resuming %s: state[%r] was built with other settings than the checkpoint's "
+                    "(%s); the checkpoint's are restored (torch's load_state_dict). To train "
+                    "with yours, set them in %s.param_groups after resume().",
+                    folder.name, name, "; ".join(changed), name,
+                )  # fmt: skip
         rng = restore_rng_state(rng_per_rank, self.runtime.rank, world_size, step=state["step"])
         if saved_world_size == world_size:
             return ""
