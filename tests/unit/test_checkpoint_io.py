@@ -18,6 +18,7 @@ from ddpkit.checkpoint.io import list_checkpoints, load_checkpoint
 from ddpkit.distributed.env import ProcessInfo
 from ddpkit.distributed.process_group import Runtime
 from ddpkit.errors import DataError
+from tests.helpers import run_main
 
 
 def _runtime() -> Runtime:
@@ -154,3 +155,18 @@ def test_every_steps_and_every_epochs(tmp_path):
     assert saved == [3, 6, 102, 104]
     with pytest.raises(ddpkit.ConfigError, match="keep_last=0"):
         ddpkit.CheckpointManager(tmp_path, _runtime(), keep_last=0)
+
+
+def test_export_of_a_folder_falls_back_past_a_corrupt_newest_as_resume_does(tmp_path, capsys):
+    _save_steps(tmp_path / "ck", [10, 20])
+    (tmp_path / "ck" / "step-00000020" / "state.pt").write_bytes(b"torn")
+    out = tmp_path / "model.pt"
+    export = ["checkpoint", "export", str(tmp_path / "ck"), "--output", str(out)]
+    code, err = run_main(export, capsys)
+    assert code == 0, err
+    assert "ddpkit checkpoint export: skipping step-00000020: corrupt checkpoint" in err
+    assert torch.equal(torch.load(out)["weight"], torch.full((2, 3), 10.0))
+    (tmp_path / "ck" / "step-00000010" / "state.pt").write_bytes(b"torn")  # none reads: refused
+    code, err = run_main(export, capsys)
+    assert code == 2 and "error: corrupt checkpoint" in err
+    assert "step-00000020" in err.splitlines()[-1]  # the newest one's error

@@ -51,7 +51,12 @@ def read_sharded_entry(folder: Path, name: str, *, unsafe_pickle: bool = False) 
 
 
 def export_model(
-    folder: Path, output: Path, *, entry: str = "model", unsafe_pickle: bool = False
+    folder: Path,
+    output: Path,
+    *,
+    entry: str = "model",
+    unsafe_pickle: bool = False,
+    state: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """Write ``state[entry]`` of checkpoint ``folder`` as one plain state dict to ``output``.
 
@@ -63,6 +68,7 @@ def export_model(
         entry: the name the model was checkpointed under (``state={"model": model, ...}``).
         unsafe_pickle: unpickle any object (runs whatever code the files hold); default: only
             the allow-list of :mod:`ddpkit.checkpoint.safe_load`.
+        state: ``load_checkpoint(folder)`` when the caller has it already (read once).
 
     Returns:
         ``{"entry", "source" ("dcp" or "state.pt"), "num_tensors", "num_elements", "bytes"}``.
@@ -71,7 +77,8 @@ def export_model(
         DataError: the checkpoint is incomplete or corrupt (a checksum differs), or it holds no
             ``entry``, or ``entry`` is not a model's state dict (tensors by name).
     """
-    state = load_checkpoint(folder, unsafe_pickle=unsafe_pickle)  # checks every manifest file
+    if state is None:
+        state = load_checkpoint(folder, unsafe_pickle=unsafe_pickle)  # checks every file
     sharded = read_manifest(folder).get("sharded", {})
     if sharded.get(entry) == "fsdp_model":
         model_state = read_sharded_entry(folder, entry, unsafe_pickle=unsafe_pickle)

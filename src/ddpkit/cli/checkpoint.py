@@ -12,6 +12,7 @@ module: ``net.load_state_dict(torch.load("model.pt"))``.
 from __future__ import annotations
 
 import argparse
+import sys
 from pathlib import Path
 
 from ddpkit.errors import ConfigError, DataError
@@ -54,16 +55,19 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     export.set_defaults(handler=run)
 
 
-def resolve_checkpoint(path: Path) -> Path:
-    """``path`` itself when it is a checkpoint folder, else its newest complete checkpoint.
+def resolve_checkpoint(path: Path, unsafe_pickle: bool = False) -> tuple[Path, dict]:
+    """``path`` itself when it is a checkpoint folder, else its newest checkpoint that reads
+    (a newer one that does not is skipped with a line on stderr, as a resume skips it); with
+    its loaded state.
 
     Raises:
-        DataError: no such folder, or no checkpoint in it.
+        DataError: no such folder, or no checkpoint in it; ``path`` (a step folder), or every
+            checkpoint in it, is corrupt or incomplete (the newest one's error).
     """
-    from ddpkit.checkpoint.io import MANIFEST, list_checkpoints
+    from ddpkit.checkpoint.io import MANIFEST, list_checkpoints, load_checkpoint
 
     if (path / MANIFEST).is_file():
-        return path
+        return path, load_checkpoint(path, unsafe_pickle=unsafe_pickle)
     complete = [p for p in list_checkpoints(path) if (p / MANIFEST).is_file()]
     if not complete:
         raise DataError(
@@ -71,7 +75,18 @@ def resolve_checkpoint(path: Path) -> Path:
             "manifest nor a folder holding one. Pass OUTPUT_DIR/checkpoints or one of its "
             "step folders."
         )
-    return complete[0]
+    errors = []
+    for folder in complete:
+        try:
+            return folder, load_checkpoint(folder, unsafe_pickle=unsafe_pickle)
+        except DataError as error:
+            errors.append(error)
+            print(
+                f"ddpkit checkpoint export: skipping {folder.name}: {error} Falling back to the "
+                "previous one.",
+                file=sys.stderr,
+            )
+    raise errors[0]
 
 
 def run(args: argparse.Namespace) -> int:
@@ -83,8 +98,10 @@ def run(args: argparse.Namespace) -> int:
             f"cannot write --output {output}: folder {output.parent} does not exist. Create it "
             "or pick another path."
         )
-    folder = resolve_checkpoint(Path(args.checkpoint))
-    info = export_model(folder, output, entry=args.entry, unsafe_pickle=args.unsafe_pickle)
+    folder, state = resolve_checkpoint(Path(args.checkpoint), args.unsafe_pickle)
+    info = export_model(
+        folder, output, entry=args.entry, unsafe_pickle=args.unsafe_pickle, state=state
+    )
     print(
         f"exported state[{info['entry']!r}] of {folder} ({info['source']}): "
         f"{info['num_tensors']} tensors, {info['num_elements']} values, "
