@@ -216,3 +216,24 @@ def test_a_fresh_run_in_a_folder_holding_an_earlier_run_is_refused_and_nothing_i
     assert code == 0, err
     assert not (out / "checkpoints" / "step-00000322").exists()
     assert json.loads((out / "summary.json").read_text())["final_step"] == 2
+
+
+def test_what_the_workers_would_refuse_is_refused_before_they_start(tmp_path, capsys):
+    import torch
+
+    import ddpkit
+    from ddpkit.distributed.env import ProcessInfo
+    from ddpkit.distributed.process_group import Runtime
+
+    model = torch.nn.Linear(4, 4)  # an own loop's checkpoint, not ddpkit train's
+    state = {"model": model, "optimizer": torch.optim.SGD(model.parameters(), lr=0.1)}
+    ddpkit.CheckpointManager(tmp_path / "ck", Runtime(ProcessInfo()), state=state).save(5)
+    argv = ["train", "--dataset", "digits", "--nproc", "2", "--output-dir", str(tmp_path / "o")]
+    code, err = run_main([*argv, "--resume", str(tmp_path / "ck" / "step-00000005")], capsys)
+    assert code == 2 and len(err.strip().splitlines()) == 1, err
+    assert f"checkpoint {tmp_path / 'ck' / 'step-00000005'} was not written by ddpkit train" in err
+    if not torch.cuda.is_available():
+        code, err = run_main([*argv, "--backend", "nccl"], capsys)
+        assert code == 2 and len(err.strip().splitlines()) == 1, err
+        assert "backend=nccl needs one CUDA device per local rank" in err
+    assert not (tmp_path / "o").exists()  # no worker started, nothing written

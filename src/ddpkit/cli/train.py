@@ -26,6 +26,7 @@ from ddpkit.app.mnist.job import train_mnist
 from ddpkit.app.mnist.outputs import check_fresh_output, checkpoint_folder
 from ddpkit.app.mnist.resume import (
     check_strategy,
+    check_written_by_train,
     checkpoint_settings,
     interrupted_note,
     plan_batch,
@@ -35,7 +36,8 @@ from ddpkit.checkpoint.lock import check_unlocked
 from ddpkit.checkpoint.manager import check_compatible
 from ddpkit.cli.flags import add_settings_arguments, given_settings
 from ddpkit.cli.run import LIVE_MAX_RESTARTS
-from ddpkit.distributed.env import detect_process_info
+from ddpkit.distributed.env import ProcessInfo, detect_process_info
+from ddpkit.distributed.process_group import resolve_backend
 from ddpkit.distributed.stop import TrainingStopped, parse_stop_signals
 from ddpkit.files import make_output_folder
 from ddpkit.launch.launcher import LaunchSpec, launch
@@ -116,6 +118,8 @@ def run(args: argparse.Namespace) -> int:
     nproc = config.nproc or (1 if one_process else default_nproc())
     nproc = info.world_size if info.is_distributed else nproc
     check(config, world_size=nproc)
+    here = info if info.is_distributed else ProcessInfo(world_size=nproc, local_world_size=nproc)
+    resolve_backend(config.backend, here)  # e.g. nccl without a GPU per rank: before launch
     if config.strategy == "dp":
         from ddpkit.parallel.dp import check_dp_possible
 
@@ -241,5 +245,6 @@ def _check_resume(config: TrainConfig, source: DataSource, nproc: int) -> None:
     run_config = dataclasses.replace(config, batch_size=plan.batch_size, grad_accum=plan.grad_accum)
     check(run_config, world_size=nproc)  # e.g. a static graph with the micro-steps chosen here
     folder, manifest = plan.found
+    check_written_by_train(folder, manifest)
     check_compatible(folder, manifest, checkpoint_settings(run_config, source.dataset, plan))
     check_strategy(config, plan)

@@ -174,6 +174,21 @@ def check_strategy(config: TrainConfig, plan: BatchPlan) -> None:
             raise ConfigError(problem)
 
 
+def check_written_by_train(folder: Path, manifest: dict) -> None:
+    """Refuse, before launch, a checkpoint another program wrote (its own loop's, say): its
+    manifest records none of the settings every ``ddpkit train`` checkpoint records.
+
+    Raises:
+        ConfigError: names the checkpoint and what to do.
+    """
+    if "batch_size" not in (manifest.get("extra") or {}):
+        raise ConfigError(
+            f"checkpoint {folder} was not written by ddpkit train: its manifest records none of "
+            "ddpkit train's settings (batch size, lr, epochs, ...). Resume it with the program "
+            "that wrote it, or start fresh without --resume."
+        )
+
+
 def checkpoint_settings(config: TrainConfig, dataset: str, plan: BatchPlan) -> dict:
     """The settings a checkpoint of this run records and a resume must share: the config's
     ``resume=True`` fields with the batch settings the run was started with, the data set and
