@@ -156,6 +156,22 @@ def test_the_same_signal_after_the_window_is_stop_now(request_usr1, monkeypatch)
         _deliver(signal.SIGUSR1)
 
 
+def test_a_stop_now_names_the_newest_checkpoint_the_job_saved(request_usr1, monkeypatch, tmp_path):
+    monkeypatch.setattr(stop_module, "DUPLICATE_WINDOW_S", 0.05)
+    runtime = ddpkit.Runtime(ProcessInfo(), stop=request_usr1)
+    ckpt = ddpkit.CheckpointManager(tmp_path, runtime, state={"model": torch.nn.Linear(2, 2)})
+    ckpt.save(20)  # a periodic save, before any signal
+    request_usr1.arm()
+    _deliver(signal.SIGUSR1)
+    time.sleep(0.1)
+    with pytest.raises(TrainingStopped) as stopped:
+        _deliver(signal.SIGUSR1)  # a second one: at once, nothing saved at the stop
+    assert stopped.value.now and stopped.value.checkpoint == tmp_path / "step-00000020"
+    assert str(stopped.value) == (
+        f"stopped now by a second SIGUSR1; newest checkpoint {tmp_path / 'step-00000020'}"
+    )
+
+
 def test_check_interval_keeps_the_checks_within_budget_and_a_second_apart():
     request = StopRequest((signal.SIGUSR1,))
     assert request._next_interval(0.0) == 1  # no measurement yet: check at the next call

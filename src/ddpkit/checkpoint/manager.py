@@ -254,6 +254,12 @@ class CheckpointManager:
             runtime.live.heal_sink = self._healed
             runtime.live.heal_unsafe_pickle = unsafe_pickle
 
+    def _known(self, step: int, folder: Path) -> None:
+        """Note the newest complete checkpoint (a stop now, by a second signal, names it)."""
+        self._newest = (step, folder)
+        if self.runtime.stop is not None:
+            self.runtime.stop.newest_checkpoint = folder
+
     def _managed(self, action: str) -> dict[str, Any]:
         if not self.state:
             raise ConfigError(
@@ -343,7 +349,7 @@ class CheckpointManager:
                 except Exception as exc:  # noqa: BLE001 - every rank must learn of it
                     error = exc
             self._agree_written(step, error)
-        self._newest = (step, folder)
+        self._known(step, folder)
         self.save_s += time.perf_counter() - start
         if self.runtime.live is not None and self.runtime.is_rank_zero:
             self.runtime.live.record_checkpoint(step, str(folder))
@@ -555,7 +561,7 @@ class CheckpointManager:
         barrier(self.runtime)  # every rank has read it before newer ones are moved away
         self._set_aside_newer_than(int(state["step"]))
         barrier(self.runtime)
-        self._newest = (int(state["step"]), folder)
+        self._known(int(state["step"]), folder)
         log.info("resumed from %s (step %d)%s", folder, state["step"], note)
         return int(state["step"])
 
@@ -605,7 +611,7 @@ class CheckpointManager:
         survivors = [r for r in rng_by_rank if r is not None]  # by rank: survivors come first
         restore_rng_state(survivors, rank, len(rng_by_rank), step=int(payload["step"]))
         if payload["newest"] is not None:
-            self._newest = (int(payload["newest"][0]), Path(payload["newest"][1]))
+            self._known(int(payload["newest"][0]), Path(payload["newest"][1]))
         assert self.runtime.live is not None
         self.runtime.live.step = int(payload["step"])
 

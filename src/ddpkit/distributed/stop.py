@@ -159,7 +159,8 @@ class TrainingStopped(SystemExit):
 
     def __str__(self) -> str:
         if self.now:
-            return f"stopped now by a second {self.signal.name}"
+            kept = "" if self.checkpoint is None else f"; newest checkpoint {self.checkpoint}"
+            return f"stopped now by a second {self.signal.name}{kept}"
         where = f"after step {self.step}" if self.step is not None else "before training"
         where += f" {self.note}" if self.note else ""
         if self.saved:
@@ -214,6 +215,7 @@ class StopRequest:
         self.signals = parse_stop_signals(",".join(str(int(s)) for s in signals))
         self.fallback_s = fallback_s or grace_period_s() or TORCHRUN_DEFAULT_GRACE_S
         self.received: signal.Signals | None = None
+        self.newest_checkpoint: Path | None = None  # a CheckpointManager sets it (stop now)
         self.received_at = 0.0
         self.agreed: signal.Signals | None = None
         self.armed = False
@@ -285,7 +287,7 @@ class StopRequest:
         if duplicate:
             return  # the same request delivered twice (to the group, and passed on by torchrun)
         self._closed = True  # a third signal has its usual effect
-        raise TrainingStopped(signum, now=True)
+        raise TrainingStopped(signum, now=True, checkpoint=self.newest_checkpoint)
 
     def _usual_effect(self, signum: int, frame: Any) -> None:
         previous = self._previous.get(signal.Signals(signum), signal.SIG_DFL)
