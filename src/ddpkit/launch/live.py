@@ -233,6 +233,7 @@ def _watch(
     say = _Say(spec.command)
     stop_deadline = None
     while True:
+        running = pool.running()  # before the exits: the last one dying now is seen below
         for replica, code in pool.exits():
             if replica in lighthouse.replicas:
                 lighthouse.exited(replica, code)
@@ -249,7 +250,7 @@ def _watch(
         ):  # a second signal, or the grace period is over: end it now
             pool.kill_all()
         # replacements still waiting to join have no job left
-        if lighthouse.all_finished() or not pool.running():
+        if lighthouse.all_finished() or not running:
             pool.kill_all()
             return _finish(spec, pool, lighthouse, stop, run_dir, say)
         time.sleep(TICK_S)
