@@ -22,3 +22,7 @@ class DataError(DdpkitError, ValueError):
 
 class DistributedError(DdpkitError, RuntimeError):
     """The distributed runtime is in a state that does not allow the call."""
+
+
+class DiskFullError(DdpkitError, OSError):
+    """A write ran out of space: the disk (or its inodes) is full (``errno`` ``ENOSPC``)."""

@@ -21,6 +21,8 @@ from typing import Any
 import torch
 
 from ddpkit.checkpoint.safe_load import load_state_bytes
+from ddpkit.diagnostics.disk import disk_full_explained, tensor_bytes
+from ddpkit.diagnostics.failures import stamp_failure_time
 from ddpkit.errors import DataError
 
 MANIFEST = "manifest.json"
@@ -63,6 +65,10 @@ def write_checkpoint(directory: Path, step: int, state: dict[str, Any], meta: di
     An existing checkpoint of the same step is replaced. On any error (a state torch cannot
     pickle, a manifest that is not JSON, a full disk) the temporary folder is removed before
     the error propagates: nothing half-written stays behind.
+
+    Raises:
+        DiskFullError: the disk ran out of room (names it, its free space, what the checkpoint
+            needs and the fix) instead of torch's ``unexpected pos A vs B``.
     """
     directory.mkdir(parents=True, exist_ok=True)
     tmp = temporary_dir(directory, step)
@@ -89,8 +95,12 @@ def commit_checkpoint(
     """
     final = directory / checkpoint_dir_name(step)
     try:
-        _write_files(tmp, step, state, meta, files or {})
-    except BaseException:  # a state that cannot be pickled, a full disk, an interrupt
+        with disk_full_explained(directory, f"checkpoint {final.name}", tensor_bytes(state)):
+            _write_files(tmp, step, state, meta, files or {})
+    except BaseException as exc:  # a state that cannot be pickled, a full disk, an interrupt
+        # the cause's time, before any collective tells the other ranks: the launcher names
+        # the rank that failed first, not a peer that raised on hearing of it
+        stamp_failure_time(exc)
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     if final.exists():  # re-saving a step after a restart: the older ones stay as fallbacks
@@ -128,14 +138,19 @@ def _write_files(
 
 def probe_write_s(directory: Path, state: dict[str, Any]) -> float:
     """Seconds one checkpoint write of ``state`` takes in ``directory`` (written under a
-    temporary name as :func:`write_checkpoint` does, then removed). Not a collective."""
+    temporary name as :func:`write_checkpoint` does, then removed). Not a collective.
+
+    Raises:
+        DiskFullError: the disk has no room for one checkpoint (see :func:`write_checkpoint`).
+    """
     created = not directory.exists()
     directory.mkdir(parents=True, exist_ok=True)
     tmp = directory / f".tmp-probe-{os.getpid()}"
     start = time.perf_counter()
     try:
         tmp.mkdir(exist_ok=True)
-        _write_files(tmp, 0, state, {}, {})
+        with disk_full_explained(directory, "trial checkpoint", tensor_bytes(state)):
+            _write_files(tmp, 0, state, {}, {})
         return time.perf_counter() - start
     finally:
         shutil.rmtree(tmp, ignore_errors=True)

@@ -66,6 +66,7 @@ from ddpkit.checkpoint.objects import (
 from ddpkit.checkpoint.rng import restore_rng_state
 from ddpkit.checkpoint.sharded import check_layouts, load_sharded, save_sharded, sharded_entries
 from ddpkit.checkpoint.state import load_model_state, rng_state
+from ddpkit.diagnostics.failures import record_failure
 from ddpkit.distributed.collectives import all_gather_object, all_reduce_sum, barrier
 from ddpkit.distributed.loader import ShardedLoader
 from ddpkit.distributed.process_group import Runtime
@@ -390,6 +391,8 @@ class CheckpointManager:
             if error is not None:
                 raise error
             return
+        if error is not None:  # recorded before the peers hear of it: once they have raised,
+            record_failure(error)  # torchrun may stop this rank before its own exit records it
         if not int(all_reduce_sum([error is not None], self.runtime)[0]):
             return
         message = [f"{type(error).__name__}: {error}" if error is not None else None]

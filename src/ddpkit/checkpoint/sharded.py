@@ -59,6 +59,7 @@ from ddpkit.checkpoint.io import (
     temporary_dir,
 )
 from ddpkit.checkpoint.safe_load import refusals_unwrapped
+from ddpkit.diagnostics.disk import disk_full_explained
 from ddpkit.distributed.collectives import all_gather_object
 from ddpkit.distributed.process_group import Runtime
 from ddpkit.errors import ConfigError, DistributedError
@@ -166,9 +167,15 @@ def raise_if_any(results: list[dict], step: int, what: str) -> None:
     Raises:
         DistributedError: names each failed rank and its error.
     """
-    failed = [(r, res["error"]) for r, res in enumerate(results) if res.get("error")]
+    failed: dict[str, list[int]] = {}  # one error seen by several ranks (DCP's) said once
+    for rank, result in enumerate(results):
+        if result.get("error"):
+            failed.setdefault(result["error"], []).append(rank)
     if failed:
-        listing = "; ".join(f"rank {r}: {e}" for r, e in failed)
+        listing = "; ".join(
+            f"rank{'s' * (len(ranks) > 1)} {', '.join(map(str, ranks))}: {error}"
+            for error, ranks in failed.items()
+        )
         raise DistributedError(
             f"sharded checkpoint step {step} not written: {what} failed ({listing}). No "
             "complete step folder was left behind; resume falls back to the previous one."
@@ -254,10 +261,12 @@ def write_shards(
     import torch.distributed.checkpoint as dcp
 
     prepare_folder(runtime, tmp, step)
-    error = None
+    error, what = None, f"the shards of checkpoint {checkpoint_dir_name(step)}"
     try:
         writer, planner = shard_writer(tmp)
-        with runtime.watch("torch.distributed.checkpoint.save"):
+        watch = runtime.watch("torch.distributed.checkpoint.save")
+        # DCP's CheckpointException is no Exception: a full disk becomes ddpkit's one line
+        with watch, disk_full_explained(tmp.parent, what):
             dcp.save(
                 sharded_state(state, entries),
                 storage_writer=writer,

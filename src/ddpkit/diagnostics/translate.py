@@ -13,7 +13,7 @@ import re
 
 import torch
 
-from ddpkit.errors import ConfigError
+from ddpkit.errors import ConfigError, DiskFullError
 
 # (text found in the exception message, or a pattern whose groups fill {0}..; the explanation
 # and fix)
@@ -117,6 +117,21 @@ _KNOWN: tuple[tuple[str | re.Pattern[str], str], ...] = (
         "the same keys at every world size.",
     ),
     (
+        re.compile(r"No space left on device|Disk quota exceeded"),
+        "the disk written to is full (or its quota used up). Check it with `df -h DIR` (`quota "
+        "-s`); free space there, write to a disk with room, or keep fewer checkpoints "
+        "(CheckpointManager keep_last).",
+    ),
+    (
+        re.compile(
+            r"unexpected pos \d+ vs \d+|PytorchStreamWriter failed writing|file write failed"
+            r"|basic_ios::clear: iostream error"
+        ),
+        "torch.save could not write the whole file; the usual cause is a full disk or a "
+        "used-up quota. Check the folder it saves to with `df -h DIR`; free space there, save "
+        "to a disk with room, or keep fewer checkpoints (CheckpointManager keep_last).",
+    ),
+    (
         "Expected more than 1 value per channel when training",
         "a batch of 1 sample reached BatchNorm in training mode: after sharding, a rank's last "
         "batch can hold a single sample even when the whole dataset's does not. Pass "
@@ -137,6 +152,8 @@ def explain(exc: BaseException) -> str | None:
     """
     seen: set[int] = set()
     while exc is not None and id(exc) not in seen:
+        if isinstance(exc, DiskFullError):  # it names the disk and the fix itself
+            return None
         seen.add(id(exc))
         text = str(exc)
         for needle, explanation in _KNOWN:

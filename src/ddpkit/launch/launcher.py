@@ -52,10 +52,12 @@ from ddpkit.launch.network import (
     plan_network,
     tls_environment,
 )
+from ddpkit.launch.oom import OomWatch
 from ddpkit.launch.resources import BARE_RANK_MIB, check_fits, usable_cores
 from ddpkit.launch.stderr_tail import read_tail, tail_path
 from ddpkit.launch.stopping import (
     blocked_while_workers_start,
+    raising_on_signals,
     signals_to_handle,
     stop_line,
     stopped_by_workers,
@@ -210,14 +212,21 @@ def validate_spec(spec: LaunchSpec) -> None:
 
 
 def torchrun_argv(
-    spec: LaunchSpec, plan: NetworkPlan, run_id: str, backend: str = BACKEND_NAME
+    spec: LaunchSpec,
+    plan: NetworkPlan,
+    run_id: str,
+    backend: str = BACKEND_NAME,
+    *,
+    log_dir: str | None = None,
 ) -> list[str]:
     """The ``torch.distributed.run`` command line for ``spec`` (without the program name).
 
     The rendezvous store at the plan's endpoint is one a ddpkit launcher already hosts (node
     0's, listening on one address only): torchrun's agent only connects to it
     (``is_host=false``), and advertises ``plan.local_address`` to the workers. ``backend``:
-    ddpkit's signed c10d rendezvous (:mod:`ddpkit.security.rendezvous_state`).
+    ddpkit's signed c10d rendezvous (:mod:`ddpkit.security.rendezvous_state`). ``log_dir``:
+    torchrun's ``--log-dir`` (its per-rank ``error.json`` files); ``None``: torchrun makes a
+    ``torchelastic_*`` folder in ``$TMPDIR`` and leaves it there.
     """
     # is_host=false: the store is ours, torchrun only connects. read_timeout bounds each of the
     # agent's store calls (torch's default, 60 s, kept a node whose link went down waiting
@@ -234,6 +243,7 @@ def torchrun_argv(
         f"--nproc-per-node={spec.nproc}",
         f"--max-restarts={spec.max_restarts}",
         "--monitor-interval=0.1",
+        *([f"--log-dir={log_dir}"] if log_dir else []),
         # torchrun passes these on to every worker, and SIGKILLs them after the grace period
         f"--signals-to-handle={signals_to_handle(spec.stop_signals)}",
         f"--shutdown-timeout={spec.grace_period_s}",
@@ -260,15 +270,32 @@ def launch(spec: LaunchSpec) -> int:
             an address this node cannot use.
         DistributedError: this node cannot connect to its own address (the loopback
             interface is down).
+
+    Every folder the launch creates in ``$TMPDIR`` (its run folder, torchrun's log folder
+    inside it) is removed when it ends: success, failure, a stop signal, a killed worker.
     """
-    plan = _preflight(spec)
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+
+    # torchrun turns its signals into SignalException only once its workers start; before that
+    # (checks, rendezvous) their default action would end the launcher past its finally blocks
+    with raising_on_signals(signals_to_handle(spec.stop_signals)):
+        run_dir = tempfile.mkdtemp(prefix="ddpkit-run-")
+        try:
+            return _launch_in(spec, _preflight(spec), run_dir)
+        except SignalException as exc:  # before torchrun's agent ran
+            return _stopped(spec, run_dir, exc.sigval)
+        finally:
+            shutil.rmtree(run_dir, ignore_errors=True)
+
+
+def _launch_in(spec: LaunchSpec, plan: NetworkPlan, run_dir: str) -> int:
+    """:func:`launch` with its checks done and its run folder made."""
     from torch.distributed import run as torchrun
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.elastic.rendezvous.api import RendezvousError
 
     tls_env = tls_environment(spec)
-    run_dir = tempfile.mkdtemp(prefix="ddpkit-run-")
     saved = dict(os.environ)
     rdzv_store = None
     if plan.store_address is not None:
@@ -288,12 +315,12 @@ def launch(spec: LaunchSpec) -> int:
     for name in _TORCHRUN_LOGGERS:
         logging.getLogger(name).addFilter(quiet)
     agent_logger, announcer = announce_restarts(spec.command, elastic=spec.elastic)
+    oom_watch = OomWatch.start()  # did the kernel kill a rank for memory? (a SIGKILL's hint)
     try:
-        _run_agent(torchrun, spec, plan, run_id)
+        _run_agent(torchrun, spec, plan, run_id, run_dir)
         return _stopped(spec, run_dir, None) if stopped_by_workers(run_dir) else 0
     except ChildFailedError as exc:
-        codes = {rank: failure.exitcode for rank, failure in exc.failures.items()}
-        _print_failure_summary(spec, run_dir, codes)
+        _print_failure_summary(spec, run_dir, exc.failures, oom_watch)
         return 1
     except RendezvousStateRefused as exc:  # someone else wrote the state: its workers stopped
         print(f"ddpkit run: {exc}", file=sys.stderr)
@@ -316,18 +343,20 @@ def launch(spec: LaunchSpec) -> int:
             logging.getLogger(name).removeFilter(quiet)
         os.environ.clear()
         os.environ.update(saved)
-        shutil.rmtree(run_dir, ignore_errors=True)
         del rdzv_store
         if reserved is not None:
             reserved.close()
 
 
-def _run_agent(torchrun: Any, spec: LaunchSpec, plan: NetworkPlan, run_id: str) -> None:
+def _run_agent(
+    torchrun: Any, spec: LaunchSpec, plan: NetworkPlan, run_id: str, run_dir: str
+) -> None:
     """This node's torchrun agent (``torch.distributed.run``), until its workers end, with
-    ddpkit's signed rendezvous backend (:mod:`ddpkit.security.rendezvous_state`)."""
+    ddpkit's signed rendezvous backend (:mod:`ddpkit.security.rendezvous_state`); its log
+    folder is inside ``run_dir``."""
     key = rendezvous_key(load_token(), several_nodes=spec.nnodes > 1)
     with signed_rendezvous(key) as backend:
-        argv = torchrun_argv(spec, plan, run_id, backend)
+        argv = torchrun_argv(spec, plan, run_id, backend, log_dir=os.path.join(run_dir, "torch"))
         with blocked_while_workers_start(spec.stop_signals):
             torchrun.run(torchrun.parse_args(argv))
 
@@ -360,14 +389,24 @@ def _preflight(spec: LaunchSpec) -> NetworkPlan:
     return plan
 
 
-def _print_failure_summary(spec: LaunchSpec, run_dir: str, exit_codes: dict[int, int]) -> None:
-    """The summary of the last attempt's failure records (first failure first), on stderr."""
+def _print_failure_summary(
+    spec: LaunchSpec, run_dir: str, failures: dict[int, Any], oom_watch: OomWatch
+) -> None:
+    """The summary of the last attempt's failure records (first failure first), on stderr.
+
+    ``failures``: torchrun's rank -> ``ProcessFailure`` (its ``exitcode`` and ``pid``).
+    """
+    exit_codes = {rank: failure.exitcode for rank, failure in failures.items()}
     records = read_records(run_dir)
     attempt = max((r.restart for r in records), default=0)
     records = [r for r in records if r.restart == attempt]
     tails = _stderr_tails(run_dir, exit_codes)
     finished = done_ranks(run_dir, attempt)
-    for line in summarize_failure(records, exit_codes, spec, tails, finished=finished):
+    pids = {rank: failure.pid for rank, failure in failures.items()}
+    hints = oom_watch.hints(exit_codes, pids, spec.nproc, spec.command)
+    for line in summarize_failure(
+        records, exit_codes, spec, tails, finished=finished, kill_hints=hints
+    ):
         print(line, file=sys.stderr)
 
 
@@ -484,4 +523,5 @@ def _stop_if_agent_stuck(run_dir: str, spec: LaunchSpec, poll_s: float = 0.5) ->
             file=sys.stderr,
             flush=True,
         )
+        shutil.rmtree(run_dir, ignore_errors=True)  # os._exit skips launch()'s finally
         os._exit(1)

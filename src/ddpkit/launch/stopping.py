@@ -67,6 +67,34 @@ def blocked_while_workers_start(stop_signals: tuple[signal.Signals, ...]) -> Ite
             signal.signal(sig, handler if handler is not None else signal.SIG_DFL)
 
 
+@contextlib.contextmanager
+def raising_on_signals(names: str) -> Iterator[None]:
+    """Within the block, each signal of ``names`` (``"SIGTERM,SIGHUP"``) whose action is still
+    the default one (ending the process at once) raises torch's ``SignalException`` instead,
+    as torchrun's own handler does once its workers run: a signal that reaches the launcher
+    before then (during its checks or the rendezvous) still runs its ``finally`` blocks, which
+    remove the job's temporary folders. Signals with a handler (Ctrl-C's ``KeyboardInterrupt``)
+    or ignored stay so. Main thread only; elsewhere nothing changes."""
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+
+    def _raise(signum: int, frame: object) -> None:
+        sig = signal.Signals(signum)
+        raise SignalException(f"launcher got signal {sig.name}", sigval=sig)
+
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    sigs = [signal.Signals[name] for name in names.split(",")]
+    default = [sig for sig in sigs if signal.getsignal(sig) == signal.SIG_DFL]
+    for sig in default:
+        signal.signal(sig, _raise)
+    try:
+        yield
+    finally:
+        for sig in default:
+            signal.signal(sig, signal.SIG_DFL)
+
+
 def _where(
     records: list[StopRecord], failures: list[FailureRecord], spec: LaunchSpec
 ) -> tuple[str, bool]:

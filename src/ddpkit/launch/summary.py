@@ -106,6 +106,7 @@ def summarize_failure(
     tails: dict[int, str] | None = None,
     *,
     finished: set[int] | frozenset[int] = frozenset(),
+    kill_hints: dict[int, str] | None = None,
 ) -> list[str]:
     """The closing lines of a failed job: the first failure, then how the job ended.
 
@@ -115,6 +116,8 @@ def summarize_failure(
         spec: the launch.
         tails: rank -> the last bytes of its stderr (see :mod:`ddpkit.launch.stderr_tail`).
         finished: the ranks of that attempt that ran their script to its end (exit 0).
+        kill_hints: rank -> what its SIGKILL was (the out-of-memory killer or not, its memory,
+            the fix: :mod:`ddpkit.launch.oom`), said under its line when it is a cause.
     """
     lines = []
     label = f"{spec.command}:"
@@ -130,19 +133,7 @@ def summarize_failure(
         crashed = signals
     crashes = {rank: read_native_crash((tails or {}).get(rank, "")) for rank in crashed}
     for rank, name in sorted(crashed.items()):
-        crash = crashes[rank]
-        where = f", {crash.where}" if crash.where else ""
-        if crash.mismatch:
-            lines.append(
-                f"{label} first failure: rank {rank}/{spec.nproc} aborted ({name}): gloo "
-                f"found a collective mismatch: it received {crash.received} bytes where it "
-                f"expected {crash.expected}{where}."
-            )
-        else:
-            lines.append(
-                f"{label} first failure: rank {rank}/{spec.nproc} died from signal {name} "
-                f"without a Python exception{where}."
-            )
+        lines += _crash_lines(rank, name, crashes[rank], label, spec.nproc, kill_hints or {})
     mismatch = any(crash.mismatch for crash in crashes.values())
     if records:
         lines += _first_record_lines(records[0], label, bool(crashed), mismatch, finished)
@@ -161,6 +152,26 @@ def summarize_failure(
     else:
         restarts = "restarts are off (--max-restarts 0); a restart would fail the same way"
     lines.append(f"{label} job FAILED; all {spec.nproc} processes stopped; {restarts}.")
+    return lines
+
+
+def _crash_lines(
+    rank: int, name: str, crash: NativeCrash, label: str, nproc: int, kill_hints: dict[int, str]
+) -> list[str]:
+    """The line of a rank that died from signal ``name``, and for SIGKILL what sent it."""
+    where = f", {crash.where}" if crash.where else ""
+    if crash.mismatch:
+        return [
+            f"{label} first failure: rank {rank}/{nproc} aborted ({name}): gloo found a "
+            f"collective mismatch: it received {crash.received} bytes where it expected "
+            f"{crash.expected}{where}."
+        ]
+    lines = [
+        f"{label} first failure: rank {rank}/{nproc} died from signal {name} without a Python "
+        f"exception{where}."
+    ]
+    if name == "SIGKILL" and kill_hints.get(rank):
+        lines.append(f"{label} hint: {kill_hints[rank]}")
     return lines
 
 
