@@ -8,6 +8,7 @@ of all 10,000 test images, the three output files.
 from __future__ import annotations
 
 import json
+import shlex
 
 import pytest
 import torch
@@ -170,15 +171,19 @@ def _records(path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines()]
 
 
-def test_failure_without_restarts_says_how_to_turn_them_on(tmp_path):
-    result = _train_digits(
-        "--epochs", "1", "--output-dir", str(tmp_path / "o"), env={"DDPKIT_FAULT_INJECT": "0:3"}
-    )
+def test_failure_without_restarts_says_how_to_turn_them_on_and_how_to_resume(tmp_path):
+    flags = ["--epochs", "1", "--checkpoint-every", "2", "--output-dir", str(tmp_path / "o")]
+    result = _train_digits(*flags, env={"DDPKIT_FAULT_INJECT": "0:3"})  # killed at step 3
     assert result.returncode == 1
     summary = _summary_lines(result)
     assert "first failure: rank 0/2 died from signal SIGKILL" in summary[0]
     assert result.stderr.strip().splitlines()[-1] == summary[-1]  # the summary ends the output
     assert "restarts are off (--max-restarts 0); add --max-restarts N" in summary[-1]
+    resume = shlex.join(["ddpkit", *DIGITS_2_RANKS[2:], *flags, "--resume", "auto"])
+    assert summary[-1].endswith(
+        f"; the newest complete checkpoint is step-00000002 in {tmp_path / 'o' / 'checkpoints'}; "
+        f"resume with: {resume}."
+    ), summary[-1]
 
 
 def test_nan_loss_stops_every_rank_naming_the_step(tmp_path):

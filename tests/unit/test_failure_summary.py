@@ -127,3 +127,30 @@ def test_a_peer_that_ran_to_its_end_is_named_not_sent_for():
     assert "build_train_loader" in text and "if rank == 0:" in text
     without = "\n".join(summarize_failure([peer], {0: 1}, LaunchSpec(["x.py"], 2)))
     assert "see its output" in without and "ran its script to the end" not in without
+
+
+def test_the_failure_line_names_the_newest_checkpoint_a_manager_of_the_job_saved(
+    tmp_path, monkeypatch
+):
+    import torch
+
+    import ddpkit
+    from ddpkit.diagnostics.failures import RUN_DIR_ENV
+    from ddpkit.distributed.env import ProcessInfo
+    from ddpkit.launch.launcher import _kept_after_failure
+
+    spec = LaunchSpec(target=["train.py"], nproc=2, resume_command="ddpkit run -n 2 train.py")
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    assert _kept_after_failure(spec, str(run_dir)) == ""  # no checkpoint: nothing to name
+    monkeypatch.setenv(RUN_DIR_ENV, str(run_dir))  # as ddpkit run sets it for its workers
+    state = {"model": torch.nn.Linear(2, 2)}
+    ckpt = ddpkit.CheckpointManager(tmp_path / "ck", ddpkit.Runtime(ProcessInfo()), state=state)
+    ckpt.save(10)
+    ckpt.save(20)
+    kept = _kept_after_failure(spec, str(run_dir))
+    lines = summarize_failure([], {0: -9, 1: -15}, spec, kept=kept)
+    assert lines[-1].endswith(
+        f"; the newest complete checkpoint is step-00000020 in {tmp_path / 'ck'}; rerun "
+        "`ddpkit run -n 2 train.py` to resume from it."
+    ), lines[-1]

@@ -66,7 +66,7 @@ from ddpkit.checkpoint.objects import (
 from ddpkit.checkpoint.rng import restore_rng_state
 from ddpkit.checkpoint.sharded import check_layouts, load_sharded, save_sharded, sharded_entries
 from ddpkit.checkpoint.state import load_model_state, rng_state
-from ddpkit.diagnostics.failures import record_failure
+from ddpkit.diagnostics.failures import note_checkpoint, record_failure
 from ddpkit.distributed.collectives import all_gather_object, all_reduce_sum, barrier
 from ddpkit.distributed.loader import ShardedLoader
 from ddpkit.distributed.process_group import Runtime
@@ -260,6 +260,8 @@ class CheckpointManager:
         self._newest = (step, folder)
         if self.runtime.stop is not None:
             self.runtime.stop.newest_checkpoint = folder
+        if self.runtime.is_rank_zero:
+            note_checkpoint(folder)  # the launcher's failure line names it
 
     def _managed(self, action: str) -> dict[str, Any]:
         if not self.state:

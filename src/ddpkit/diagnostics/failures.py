@@ -152,6 +152,34 @@ def record_failure(exc: BaseException) -> None:
         write_record(make_record(exc), os.environ[RUN_DIR_ENV])
 
 
+NEWEST_CHECKPOINT = "newest-checkpoint"  # in the run folder: the job's newest complete one
+
+
+def note_checkpoint(folder: str | os.PathLike[str]) -> None:
+    """Tell the launcher the job's newest complete checkpoint (a file in ``$DDPKIT_RUN_DIR``,
+    replaced atomically), so its failure line can name it even when no rank lives to say.
+    A no-op outside ``ddpkit run``/``ddpkit train``'s launcher."""
+    run_dir = os.environ.get(RUN_DIR_ENV)
+    if not run_dir:
+        return
+    path = Path(run_dir) / NEWEST_CHECKPOINT
+    tmp = path.with_name(f".{NEWEST_CHECKPOINT}.{os.getpid()}")
+    try:
+        tmp.write_text(str(Path(folder).absolute()))
+        os.replace(tmp, path)
+    except OSError:
+        pass  # the launcher's folder is gone (it is ending): nothing to tell
+
+
+def newest_checkpoint(run_dir: str | os.PathLike[str]) -> Path | None:
+    """The folder :func:`note_checkpoint` last named in ``run_dir``, if it still exists."""
+    try:
+        folder = Path((Path(run_dir) / NEWEST_CHECKPOINT).read_text())
+    except OSError:
+        return None
+    return folder if folder.is_dir() else None
+
+
 def _read(run_dir: str | os.PathLike[str], pattern: str, kind: type) -> list[Any]:
     records = []
     for path in Path(run_dir).glob(pattern):

@@ -32,7 +32,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ddpkit.diagnostics.failures import LAUNCHER_PID_ENV, RUN_DIR_ENV, done_ranks, read_records
+from ddpkit.diagnostics.failures import (
+    LAUNCHER_PID_ENV,
+    RUN_DIR_ENV,
+    done_ranks,
+    newest_checkpoint,
+    read_records,
+)
 from ddpkit.distributed.env import ProcessInfo
 from ddpkit.distributed.hashseed import hash_seed_environment
 from ddpkit.distributed.rendezvous import check_local_route, check_world_size_limit
@@ -57,6 +63,7 @@ from ddpkit.launch.resources import BARE_RANK_MIB, check_fits, usable_cores
 from ddpkit.launch.stderr_tail import read_tail, tail_path
 from ddpkit.launch.stopping import (
     blocked_while_workers_start,
+    kept_checkpoint,
     raising_on_signals,
     signals_to_handle,
     stop_line,
@@ -106,9 +113,11 @@ class LaunchSpec:
         on_interrupt: after a stop signal (Ctrl-C, SIGTERM, ...), once every worker has
             stopped: ``on_interrupt(saved=clean)`` gives the text that ends the one line
             (``ddpkit train``: the checkpoint and the command that resumes it); ``saved``:
-            every rank saved the step they agreed on.
-        resume_command: without ``on_interrupt``, the command the stop line says resumes the
-            job (``ddpkit run``: the command as the user typed it).
+            every rank saved the step they agreed on. A failure's last line ends with
+            ``on_interrupt(saved=False)`` too.
+        resume_command: without ``on_interrupt``, the command the stop line (and a failure's
+            line, after the newest checkpoint a ``CheckpointManager`` of the job saved) says
+            resumes the job (``ddpkit run``: the command as the user typed it).
         grace_period_s: after passing a stop signal on to the workers, seconds to wait before
             SIGKILLing those still running (torchrun's ``--shutdown-timeout``).
         stop_signals: the signals that stop every rank at one step with a checkpoint
@@ -389,6 +398,17 @@ def _preflight(spec: LaunchSpec) -> NetworkPlan:
     return plan
 
 
+def _kept_after_failure(spec: LaunchSpec, run_dir: str) -> str:
+    """The failure line's end: the newest complete checkpoint and how to resume from it."""
+    if spec.on_interrupt is not None:  # ddpkit train: its own checkpoint folder and command
+        return spec.on_interrupt(saved=False)
+    newest = newest_checkpoint(run_dir)
+    if newest is None:
+        return ""
+    resume = f"; rerun `{spec.resume_command}` to resume from it" if spec.resume_command else ""
+    return f"{kept_checkpoint(newest, saved=False)}{resume}"
+
+
 def _print_failure_summary(
     spec: LaunchSpec, run_dir: str, failures: dict[int, Any], oom_watch: OomWatch
 ) -> None:
@@ -405,8 +425,9 @@ def _print_failure_summary(
     pids = {rank: failure.pid for rank, failure in failures.items()}
     hints = oom_watch.hints(exit_codes, pids, spec.nproc, spec.command)
     for line in summarize_failure(
-        records, exit_codes, spec, tails, finished=finished, kill_hints=hints
-    ):
+        records, exit_codes, spec, tails, finished=finished, kill_hints=hints,
+        kept=_kept_after_failure(spec, run_dir),
+    ):  # fmt: skip
         print(line, file=sys.stderr)
 
 

@@ -107,6 +107,7 @@ def summarize_failure(
     *,
     finished: set[int] | frozenset[int] = frozenset(),
     kill_hints: dict[int, str] | None = None,
+    kept: str = "",
 ) -> list[str]:
     """The closing lines of a failed job: the first failure, then how the job ended.
 
@@ -118,6 +119,8 @@ def summarize_failure(
         finished: the ranks of that attempt that ran their script to its end (exit 0).
         kill_hints: rank -> what its SIGKILL was (the out-of-memory killer or not, its memory,
             the fix: :mod:`ddpkit.launch.oom`), said under its line when it is a cause.
+        kept: the end of the last line: the newest checkpoint and the command that resumes
+            (``"; the newest complete checkpoint is step-N in DIR; resume with: ..."``).
     """
     lines = []
     label = f"{spec.command}:"
@@ -151,7 +154,7 @@ def summarize_failure(
         )
     else:
         restarts = "restarts are off (--max-restarts 0); a restart would fail the same way"
-    lines.append(f"{label} job FAILED; all {spec.nproc} processes stopped; {restarts}.")
+    lines.append(f"{label} job FAILED; all {spec.nproc} processes stopped; {restarts}{kept}.")
     return lines
 
 
