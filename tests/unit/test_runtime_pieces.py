@@ -260,3 +260,27 @@ def test_loader_state_resumes_exactly_including_capped_passes():
         while resumed.epoch < 3:
             seen += [int(i) for (b,) in resumed for i in b]
         assert seen == [i for p in reference for i in p], f"cut after {cut} batches"
+
+
+def test_a_listener_that_is_no_store_is_named_within_the_timeout_not_waited_on_forever():
+    import socket
+    import threading
+    import time
+
+    from ddpkit.distributed.rendezvous import STORE_GRACE_S, connect_store
+
+    listener = socket.create_server(("127.0.0.1", 0))  # another program on MASTER_PORT
+    port = listener.getsockname()[1]
+    accepted = []
+    threading.Thread(target=lambda: accepted.append(listener.accept()), daemon=True).start()
+    start = time.monotonic()
+    try:
+        with pytest.raises(DistributedError) as refused:
+            connect_store("127.0.0.1", port, 2, timeout_s=2)
+    finally:
+        listener.close()
+    assert time.monotonic() - start < 2 + STORE_GRACE_S + 5  # torch's own client: > 120 s here
+    assert str(refused.value).startswith(
+        f"the listener at 127.0.0.1:{port} (MASTER_ADDR:MASTER_PORT) accepted the connection "
+        "but did not answer as a rendezvous store within 2 s: another program may hold port"
+    )

@@ -22,6 +22,7 @@ import json
 import os
 import secrets
 import socket
+import threading
 import time
 import uuid
 
@@ -108,6 +109,9 @@ def _route_error(host: str, address: str, exc: OSError) -> DistributedError:
     )
 
 
+STORE_GRACE_S = 5.0  # past the timeout, torch's own error (a refused connection) comes first
+
+
 def make_store(info: ProcessInfo, timeout_s: float) -> dist.TCPStore:
     """The job's TCPStore from ``MASTER_ADDR``/``MASTER_PORT``: rank 0 serves it, others connect.
 
@@ -141,19 +145,41 @@ def connect_store(host: str, port: int, world_size: int, timeout_s: float) -> di
     """A client of the TCPStore at ``host:port``, retrying until ``timeout_s``.
 
     Raises:
-        DistributedError: the store cannot be reached in time (one line: what to check).
+        DistributedError: the store cannot be reached in time, or what listens at ``host:port``
+            is no store (it never answers; torch's client would wait past its timeout): one line,
+            what to check.
     """
-    try:
-        return dist.TCPStore(
-            host, port, world_size, is_master=False, timeout=datetime.timedelta(seconds=timeout_s)
+    result: dict[str, object] = {}
+
+    def connect() -> None:  # torch's client waits past its timeout for a listener that is
+        try:  # no store (it accepts, never answers): a thread, so that our deadline holds
+            result["store"] = dist.TCPStore(
+                host, port, world_size, is_master=False,
+                timeout=datetime.timedelta(seconds=timeout_s),
+            )  # fmt: skip
+        except BaseException as exc:  # handed to the caller below
+            result["error"] = exc
+
+    thread = threading.Thread(target=connect, name="ddpkit-store-connect", daemon=True)
+    thread.start()
+    thread.join(timeout_s + STORE_GRACE_S)
+    if thread.is_alive():
+        raise DistributedError(
+            f"the listener at {host}:{port} (MASTER_ADDR:MASTER_PORT) accepted the connection but "
+            f"did not answer as a rendezvous store within {timeout_s:g} s: another program may "
+            f"hold port {port}. Give the job a free MASTER_PORT (`ss -ltnp 'sport = :{port}'` "
+            "names the holder), or start the ranks with ddpkit run, which picks one."
         )
-    except dist.DistNetworkError:
+    if isinstance(result.get("error"), dist.DistNetworkError):
         raise DistributedError(
             f"cannot reach the rendezvous store at {host}:{port} (MASTER_ADDR:MASTER_PORT) "
             f"within {timeout_s:g} s. Check that rank 0 is running and started first, that "
             f"{host} is rank 0's address as seen from this machine, and that no firewall blocks "
             f"port {port}."
         ) from None
+    if "error" in result:
+        raise result["error"]  # type: ignore[misc]
+    return result["store"]  # type: ignore[return-value]
 
 
 def _owner(claim: str) -> str:
