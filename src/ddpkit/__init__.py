@@ -20,49 +20,59 @@ The public API (everything else is internal)::
 Launch with ``ddpkit run -n 2 train.py`` or ``torchrun --nproc-per-node 2 train.py``.
 Every name in ``__all__`` has an entry in docs/api.md (tests/unit/test_public_api.py checks it);
 arguments past the first two of every public callable are keyword-only.
+
+``import ddpkit`` imports neither torch nor the API: each name is imported on first use
+(PEP 562), so the ``ddpkit`` command answers ``--help`` and flag errors without torch.
 """
 
-from ddpkit.checkpoint.manager import CheckpointManager
-from ddpkit.checkpoint.state import load_model_state
-from ddpkit.diagnostics.translate import explain
-from ddpkit.distributed.collectives import (
-    all_gather,
-    all_gather_object,
-    all_reduce,
-    all_reduce_sum,
-    barrier,
-)
-from ddpkit.distributed.env import ProcessInfo, detect_process_info
-from ddpkit.distributed.process_group import Runtime, init_runtime, resolve_backend
-from ddpkit.distributed.resize import fit_global_batch
-from ddpkit.distributed.sampler import (
-    ShardedLoader,
-    UnpaddedDistributedSampler,
-    build_eval_loader,
-    build_train_loader,
-)
-from ddpkit.distributed.stop import TrainingStopped
-from ddpkit.distributed.watchdog import DeadlockError, StallError
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
 from ddpkit.errors import ConfigError, DataError, DdpkitError, DistributedError
-from ddpkit.guards.grad_sync import GradSyncCheck, GradSyncError
-from ddpkit.guards.nonfinite import NonFiniteError, NonFiniteGuard
-from ddpkit.guards.replicas import ReplicaDivergenceError, check_replicas
-from ddpkit.guards.wrapped import WrappedModelError
-from ddpkit.log import configure_logging, get_logger
-from ddpkit.parallel.comm import CommStats
-from ddpkit.parallel.local_sgd import enable_local_sgd
-from ddpkit.parallel.syncbn import convert_sync_batchnorm
-from ddpkit.parallel.wrap import model_state_dict, unwrap_model, wrap_model
-from ddpkit.parallel.zero import build_zero_optimizer
-from ddpkit.training.accumulation import GradientAccumulator
-from ddpkit.training.dynamic import UnusedParameterDiagnosis, UnusedParameterError
-from ddpkit.training.evaluate import evaluate
-from ddpkit.training.loop import train_epoch
-from ddpkit.training.observe import StepTimer, peak_memory_mb
-from ddpkit.training.precision import MixedPrecision
-from ddpkit.training.step import StepResult, TrainStep
-from ddpkit.training.stragglers import StragglerDetector
-from ddpkit.training.uneven import UnevenInputsError, join_uneven_inputs, verify_even_batches
+
+if TYPE_CHECKING:  # what type checkers and IDEs see; at run time, __getattr__ below
+    from ddpkit.checkpoint.manager import CheckpointManager
+    from ddpkit.checkpoint.state import load_model_state
+    from ddpkit.diagnostics.translate import explain
+    from ddpkit.distributed.collectives import (
+        all_gather,
+        all_gather_object,
+        all_reduce,
+        all_reduce_sum,
+        barrier,
+    )
+    from ddpkit.distributed.env import ProcessInfo, detect_process_info
+    from ddpkit.distributed.process_group import Runtime, init_runtime, resolve_backend
+    from ddpkit.distributed.resize import fit_global_batch
+    from ddpkit.distributed.sampler import (
+        ShardedLoader,
+        UnpaddedDistributedSampler,
+        build_eval_loader,
+        build_train_loader,
+    )
+    from ddpkit.distributed.stop import TrainingStopped
+    from ddpkit.distributed.watchdog import DeadlockError, StallError
+    from ddpkit.guards.grad_sync import GradSyncCheck, GradSyncError
+    from ddpkit.guards.nonfinite import NonFiniteError, NonFiniteGuard
+    from ddpkit.guards.replicas import ReplicaDivergenceError, check_replicas
+    from ddpkit.guards.wrapped import WrappedModelError
+    from ddpkit.log import configure_logging, get_logger
+    from ddpkit.parallel.comm import CommStats
+    from ddpkit.parallel.local_sgd import enable_local_sgd
+    from ddpkit.parallel.syncbn import convert_sync_batchnorm
+    from ddpkit.parallel.wrap import model_state_dict, unwrap_model, wrap_model
+    from ddpkit.parallel.zero import build_zero_optimizer
+    from ddpkit.training.accumulation import GradientAccumulator
+    from ddpkit.training.dynamic import UnusedParameterDiagnosis, UnusedParameterError
+    from ddpkit.training.evaluate import evaluate
+    from ddpkit.training.loop import train_epoch
+    from ddpkit.training.observe import StepTimer, peak_memory_mb
+    from ddpkit.training.precision import MixedPrecision
+    from ddpkit.training.step import StepResult, TrainStep
+    from ddpkit.training.stragglers import StragglerDetector
+    from ddpkit.training.uneven import UnevenInputsError, join_uneven_inputs, verify_even_batches
 
 __version__ = "0.1.0"
 
@@ -123,3 +133,76 @@ __all__ = [
     "verify_even_batches",
     "wrap_model",
 ]
+
+# The module of every name in __all__, imported on first access (ddpkit.X or from ddpkit import X).
+_API_MODULES = {
+    "CheckpointManager": "ddpkit.checkpoint.manager",
+    "CommStats": "ddpkit.parallel.comm",
+    "ConfigError": "ddpkit.errors",
+    "DataError": "ddpkit.errors",
+    "DdpkitError": "ddpkit.errors",
+    "DeadlockError": "ddpkit.distributed.watchdog",
+    "DistributedError": "ddpkit.errors",
+    "GradSyncCheck": "ddpkit.guards.grad_sync",
+    "GradSyncError": "ddpkit.guards.grad_sync",
+    "GradientAccumulator": "ddpkit.training.accumulation",
+    "MixedPrecision": "ddpkit.training.precision",
+    "NonFiniteError": "ddpkit.guards.nonfinite",
+    "NonFiniteGuard": "ddpkit.guards.nonfinite",
+    "ProcessInfo": "ddpkit.distributed.env",
+    "ReplicaDivergenceError": "ddpkit.guards.replicas",
+    "Runtime": "ddpkit.distributed.process_group",
+    "ShardedLoader": "ddpkit.distributed.sampler",
+    "StallError": "ddpkit.distributed.watchdog",
+    "StepResult": "ddpkit.training.step",
+    "StepTimer": "ddpkit.training.observe",
+    "StragglerDetector": "ddpkit.training.stragglers",
+    "TrainStep": "ddpkit.training.step",
+    "TrainingStopped": "ddpkit.distributed.stop",
+    "UnevenInputsError": "ddpkit.training.uneven",
+    "UnpaddedDistributedSampler": "ddpkit.distributed.sampler",
+    "UnusedParameterDiagnosis": "ddpkit.training.dynamic",
+    "UnusedParameterError": "ddpkit.training.dynamic",
+    "WrappedModelError": "ddpkit.guards.wrapped",
+    "all_gather": "ddpkit.distributed.collectives",
+    "all_gather_object": "ddpkit.distributed.collectives",
+    "all_reduce": "ddpkit.distributed.collectives",
+    "all_reduce_sum": "ddpkit.distributed.collectives",
+    "barrier": "ddpkit.distributed.collectives",
+    "build_eval_loader": "ddpkit.distributed.sampler",
+    "build_train_loader": "ddpkit.distributed.sampler",
+    "build_zero_optimizer": "ddpkit.parallel.zero",
+    "check_replicas": "ddpkit.guards.replicas",
+    "configure_logging": "ddpkit.log",
+    "convert_sync_batchnorm": "ddpkit.parallel.syncbn",
+    "detect_process_info": "ddpkit.distributed.env",
+    "enable_local_sgd": "ddpkit.parallel.local_sgd",
+    "evaluate": "ddpkit.training.evaluate",
+    "explain": "ddpkit.diagnostics.translate",
+    "fit_global_batch": "ddpkit.distributed.resize",
+    "get_logger": "ddpkit.log",
+    "init_runtime": "ddpkit.distributed.process_group",
+    "join_uneven_inputs": "ddpkit.training.uneven",
+    "load_model_state": "ddpkit.checkpoint.state",
+    "model_state_dict": "ddpkit.parallel.wrap",
+    "peak_memory_mb": "ddpkit.training.observe",
+    "resolve_backend": "ddpkit.distributed.process_group",
+    "train_epoch": "ddpkit.training.loop",
+    "unwrap_model": "ddpkit.parallel.wrap",
+    "verify_even_batches": "ddpkit.training.uneven",
+    "wrap_model": "ddpkit.parallel.wrap",
+}
+
+
+def __getattr__(name: str) -> Any:
+    """``ddpkit.X``: import X's module on first use and keep X here."""
+    module = _API_MODULES.get(name)
+    if module is None:
+        raise AttributeError(f"module 'ddpkit' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *__all__})

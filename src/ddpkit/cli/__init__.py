@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import importlib
 import sys
 from collections.abc import Sequence
 from typing import NoReturn
@@ -30,24 +31,42 @@ def _version() -> str:
     return f"ddpkit {ddpkit.__version__} with torch {torch_version}"
 
 
-def build_parser() -> argparse.ArgumentParser:
-    from ddpkit.cli import bench as bench_cmd
-    from ddpkit.cli import checkpoint as checkpoint_cmd
-    from ddpkit.cli import doctor as doctor_cmd
-    from ddpkit.cli import plot as plot_cmd
-    from ddpkit.cli import run as run_cmd
-    from ddpkit.cli import train as train_cmd
+# Every subcommand, in the order of ``ddpkit --help``, with the one-line help its module gives
+# it (tests/cli/test_cli_startup.py checks they agree). Module ddpkit.cli.<name> has add_parser
+# and run; only the one argv names is imported (train and run import torch, which takes seconds).
+SUBCOMMANDS = {
+    "train": "train the MNIST CNN with DDP on N local processes",
+    "run": "launch a script on N local processes (torchrun underneath)",
+    "doctor": "environment report and live checks, for bug reports",
+    "bench": "measure all-reduce bandwidth, step-loop overhead and scaling",
+    "plot": "PNG plots of a ddpkit train output folder",
+    "checkpoint": "export a checkpoint's model as one plain state-dict file",
+}
 
+
+def build_parser(command: str | None = None) -> argparse.ArgumentParser:
+    """The ``ddpkit`` parser with every subcommand's parser, or, given ``command``, only that
+    one's: the others are listed by name and help (enough for ``ddpkit --help`` and a usage
+    error), their modules left unimported."""
     parser = OneLineParser(
         prog="ddpkit",
         description="PyTorch distributed data-parallel training, correct by default.",
     )
     parser.add_argument("--version", action="version", version=_version())
     subparsers = parser.add_subparsers(dest="command", required=True, parser_class=OneLineParser)
-    for module in (train_cmd, run_cmd, doctor_cmd, bench_cmd, plot_cmd, checkpoint_cmd):
-        module.add_parser(subparsers)
+    for name, summary in SUBCOMMANDS.items():
+        if command is None or name == command:
+            importlib.import_module(f"ddpkit.cli.{name}").add_parser(subparsers)
+        else:
+            subparsers.add_parser(name, help=summary)
     parser.set_defaults(subcommand_parsers=subparsers.choices)
     return parser
+
+
+def _command_in(argv: Sequence[str]) -> str:
+    """The subcommand ``argv`` names: its first word that is not an option (``ddpkit`` itself
+    takes no option with a value), or ``""`` when none (``ddpkit --help``)."""
+    return next((word for word in argv if not word.startswith("-")), "")
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -59,11 +78,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     instead, so the launcher's failure summary names the rank with the exception type and
     message.
     """
-    parser = build_parser()
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parser = build_parser(_command_in(argv))
     args, unknown = parser.parse_known_args(argv)
     if unknown:  # reported by the subcommand's parser, so the message names it
         args.subcommand_parsers[args.command].error(f"unrecognized arguments: {' '.join(unknown)}")
-    args.argv = list(sys.argv[1:] if argv is None else argv)
+    args.argv = argv
     try:
         return int(args.handler(args) or 0)
     except DdpkitError as exc:

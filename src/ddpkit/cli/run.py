@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import argparse
 import shlex
+from typing import TYPE_CHECKING
 
-from ddpkit.distributed.stop import parse_stop_signals
 from ddpkit.errors import ConfigError
 from ddpkit.launch.elastic import RDZV_CONF_KEYS
-from ddpkit.launch.launcher import LaunchSpec, launch
+
+if TYPE_CHECKING:  # imported where used: the launcher imports torch, --help and flag errors don't
+    from ddpkit.launch.launcher import LaunchSpec
 
 ELASTIC_MAX_RESTARTS = 3
 LIVE_MAX_RESTARTS = 3
@@ -179,6 +181,8 @@ def run(args: argparse.Namespace) -> int:
         from ddpkit.launch.live import launch_live
 
         return launch_live(spec)
+    from ddpkit.launch.launcher import launch
+
     return launch(spec)
 
 
@@ -209,6 +213,9 @@ def launch_spec(args: argparse.Namespace) -> LaunchSpec:
     if max_restarts is None:
         max_restarts = ELASTIC_MAX_RESTARTS if min_nodes < nnodes else 0
         max_restarts = LIVE_MAX_RESTARTS if live else max_restarts
+    from ddpkit.distributed.stop import parse_stop_signals
+    from ddpkit.launch.launcher import LaunchSpec
+
     return LaunchSpec(
         target=target,
         nproc=args.nproc,

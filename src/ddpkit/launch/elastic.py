@@ -20,9 +20,10 @@ import os
 import sys
 from typing import TYPE_CHECKING
 
-from ddpkit.diagnostics.failures import FailureRecord
-
-if TYPE_CHECKING:  # the launcher imports this module
+# annotations only: the launcher imports this module, and failures imports torch (ddpkit run's
+# parser reads RDZV_CONF_KEYS here, and answers --help without torch)
+if TYPE_CHECKING:
+    from ddpkit.diagnostics.failures import FailureRecord
     from ddpkit.launch.launcher import LaunchSpec
 
 # The dynamic rendezvous's timings a user may set (seconds; counts for keep_alive_max_attempt).

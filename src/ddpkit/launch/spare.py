@@ -25,11 +25,11 @@ def _warm_up() -> None:
     import torch.distributed  # noqa: F401
     import torch.nn.functional  # noqa: F401
 
-    import ddpkit  # noqa: F401
-    import ddpkit.checkpoint.manager  # noqa: F401
+    import ddpkit
     import ddpkit.launch.worker  # noqa: F401
 
-    for name in filter(None, os.environ.get(PRELOAD_ENV, "").split(",")):
+    api = set(ddpkit._API_MODULES.values())  # import ddpkit imports each name on first use
+    for name in [*sorted(api), *filter(None, os.environ.get(PRELOAD_ENV, "").split(","))]:
         importlib.import_module(name)
 
 

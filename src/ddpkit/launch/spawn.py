@@ -40,10 +40,12 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+import ddpkit
 from ddpkit.distributed.hashseed import HASH_SEED_ENV, job_hash_seed
 
 # What the forkserver imports once, so every rank forked from it starts warm. torch._dynamo is
 # most of DDP's first construction (2.9 of 2.95 s); the comm hooks, most of a hooked DDP's.
+# ``import ddpkit`` alone imports none of the public API (each name on first use): its modules.
 PRELOAD = (
     "torch",
     "torch.distributed",
@@ -51,6 +53,7 @@ PRELOAD = (
     "torch.nn.parallel",
     "torch.distributed.algorithms.ddp_comm_hooks",
     "ddpkit",
+    *sorted(set(ddpkit._API_MODULES.values())),
     "ddpkit.launch.spawn",
 )
 
