@@ -104,15 +104,22 @@ def test_ddpkit_train_on_a_full_disk_names_rank_0s_own_error_first(tmp_path, tmp
     assert result.stdout.splitlines()[-2:] == [".ddpkit-lock", "step-00000002"]  # ls -A
 
 
+def _run_on_full_disk(tmp_path, strategy: str):
+    """``ddpkit run -n 2`` of the save script on a 512 KiB tmpfs: (result, the checkpoint
+    folder, the lines from the first failure on)."""
+    directory = tmp_path / "mnt" / "ckpt"
+    argv = ["-m", "ddpkit", "run", "-n", "2", SCRIPT, strategy, str(directory)]
+    result = _in_tmpfs(tmp_path / "mnt", "512k", directory, argv)
+    assert result.returncode == 1, result.output
+    return result, directory, result.stderr[result.stderr.index("ddpkit run: first failure") :]
+
+
 @pytest.mark.slow
 def test_rank_0s_failed_write_leads_even_when_rank_0_ends_last(tmp_path, tmpfs_allowed):
     # rank 1's DistributedError is raised the moment rank 0's error reaches it; rank 0's own
     # teardown then takes a second longer: the cause still leads, by the time it failed
-    directory = tmp_path / "mnt" / "ckpt"
-    argv = ["-m", "ddpkit", "run", "-n", "2", SCRIPT, "ddp", str(directory)]
-    result = _in_tmpfs(tmp_path / "mnt", "512k", directory, argv)
-    assert result.returncode == 1, result.output
-    lines = result.stderr[result.stderr.index("ddpkit run: first failure") :].splitlines()
+    result, directory, summary = _run_on_full_disk(tmp_path, "ddp")
+    lines = summary.splitlines()
     assert re.fullmatch(
         r"ddpkit run: first failure: rank 0/2 \(local rank 0, pid \d+\): DiskFullError: "
         rf"checkpoint step-00000001 not written: the disk holding {directory} is full "
@@ -127,11 +134,8 @@ def test_rank_0s_failed_write_leads_even_when_rank_0_ends_last(tmp_path, tmpfs_a
 
 @pytest.mark.slow
 def test_a_sharded_save_on_a_full_disk_says_so_not_checkpointexception(tmp_path, tmpfs_allowed):
-    directory = tmp_path / "mnt" / "ckpt"
-    argv = ["-m", "ddpkit", "run", "-n", "2", SCRIPT, "fsdp", str(directory)]
-    result = _in_tmpfs(tmp_path / "mnt", "512k", directory, argv)
-    assert result.returncode == 1, result.output
-    lines = result.stderr[result.stderr.index("ddpkit run: first failure") :].splitlines()
+    result, directory, summary = _run_on_full_disk(tmp_path, "fsdp")
+    lines = summary.splitlines()
     assert re.fullmatch(
         r"ddpkit run: first failure: rank [01]/2 \(local rank [01], pid \d+\): DistributedError: "
         r"sharded checkpoint step 1 not written: writing the shards failed \(ranks 0, 1: "
