@@ -201,7 +201,7 @@ def test_a_fresh_run_in_a_folder_holding_an_earlier_run_is_refused_and_nothing_i
     for name, data in earlier.items():
         (out / name).parent.mkdir(parents=True, exist_ok=True)
         (out / name).write_bytes(data)
-    argv = ["train", "--dataset", "digits", "--nproc", "1", "--max-steps", "2",
+    argv = ["train", "--dataset", "digits", "--nproc", "1", "--epochs", "1", "--max-steps", "2",
             "--output-dir", str(out), "--progress", "off"]  # fmt: skip
     code, err = run_main(argv, capsys)
     assert code == 2 and len(err.strip().splitlines()) == 1, err
