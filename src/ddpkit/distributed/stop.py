@@ -46,48 +46,22 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 
-from ddpkit.errors import ConfigError
+from ddpkit.distributed.signals import (  # torch-free: the launcher's flags read them
+    DEFAULT_STOP_SIGNALS,
+    GRACE_PERIOD_ENV,
+    STOP_SIGNALS_ENV,
+    parse_stop_signals,
+)
 
 if TYPE_CHECKING:
     from ddpkit.distributed.process_group import Runtime
 
-DEFAULT_STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1)
-STOP_SIGNALS_ENV = "DDPKIT_STOP_SIGNALS"  # set by ddpkit's launcher from --stop-signals
-GRACE_PERIOD_ENV = "DDPKIT_GRACE_PERIOD_S"  # set by ddpkit's launcher from --grace-period
 TORCHRUN_SHUTDOWN_ENV = "TORCH_ELASTIC_SHUTDOWN_TIMEOUT"  # torchrun's own setting
 TORCHRUN_DEFAULT_GRACE_S = 30.0  # torchrun's --shutdown-timeout default (torch 2.13)
 DUPLICATE_WINDOW_S = 1.0
 CHECK_BUDGET = 0.01
 MAX_CHECK_GAP_S = 1.0
 MAX_CHECK_CALLS = 20
-
-
-def parse_stop_signals(text: str) -> tuple[signal.Signals, ...]:
-    """``"SIGTERM,SIGUSR1"`` (or ``"TERM,USR1"``, numbers, ``"none"``) as signals.
-
-    Raises:
-        ConfigError: an unknown name, or SIGKILL/SIGSTOP (which no handler can catch).
-    """
-    if text.strip().lower() in ("", "none", "off"):
-        return ()
-    found, problems = [], []
-    for part in (p.strip() for p in text.split(",") if p.strip()):
-        name = part.upper() if part.upper().startswith("SIG") else f"SIG{part.upper()}"
-        try:
-            sig = signal.Signals(int(part)) if part.isdigit() else signal.Signals[name]
-        except (KeyError, ValueError):
-            problems.append(part)
-            continue
-        if sig in (signal.SIGKILL, signal.SIGSTOP):
-            problems.append(part)
-        elif sig not in found:
-            found.append(sig)
-    if problems:
-        raise ConfigError(
-            f"invalid stop signals: {', '.join(problems)}. Use signal names such as "
-            "SIGTERM,SIGINT,SIGUSR1 (SIGKILL and SIGSTOP cannot be caught), or none."
-        )
-    return tuple(found)
 
 
 def default_stop_signals(environ: dict[str, str] | None = None) -> tuple[signal.Signals, ...]:
