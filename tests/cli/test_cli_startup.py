@@ -62,6 +62,18 @@ def _ddpkit(args: list[str], tmp_path: Path) -> tuple[int, str, str, set[str]]:
             "ddpkit run: error: invalid --nnodes: nnodes='2-3'. Give a number of nodes N",
         ),
         (
+            ["run", "-n", "2"],
+            2,
+            "ddpkit run: error: invalid launch: no script given (ddpkit run -n 2 train.py "
+            "[args], or -m package.module).",
+        ),
+        (
+            ["run", "-n", "0", "no-such-script.py"],
+            2,
+            "ddpkit run: error: invalid launch: nproc=0 must be an integer >= 1; "
+            "script='no-such-script.py' does not exist.",
+        ),
+        (
             ["bogus"],
             2,
             "ddpkit: error: argument command: invalid choice: 'bogus' (choose from "

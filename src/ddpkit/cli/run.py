@@ -4,13 +4,11 @@ from __future__ import annotations
 
 import argparse
 import shlex
-from typing import TYPE_CHECKING
 
+from ddpkit.distributed.signals import parse_stop_signals
 from ddpkit.errors import ConfigError
 from ddpkit.launch.elastic import RDZV_CONF_KEYS
-
-if TYPE_CHECKING:  # imported where used: the launcher imports torch, --help and flag errors don't
-    from ddpkit.launch.launcher import LaunchSpec
+from ddpkit.launch.spec import LaunchSpec, validate_spec
 
 ELASTIC_MAX_RESTARTS = 3
 LIVE_MAX_RESTARTS = 3
@@ -177,6 +175,7 @@ def _add_node_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     spec = launch_spec(args)
+    validate_spec(spec)  # a missing script, -n 0, ...: one line before anything imports torch
     if spec.fault_tolerance == "live":
         from ddpkit.launch.live import launch_live
 
@@ -213,9 +212,6 @@ def launch_spec(args: argparse.Namespace) -> LaunchSpec:
     if max_restarts is None:
         max_restarts = ELASTIC_MAX_RESTARTS if min_nodes < nnodes else 0
         max_restarts = LIVE_MAX_RESTARTS if live else max_restarts
-    from ddpkit.distributed.stop import parse_stop_signals
-    from ddpkit.launch.launcher import LaunchSpec
-
     return LaunchSpec(
         target=target,
         nproc=args.nproc,
