@@ -6,7 +6,7 @@ import json
 import signal
 from dataclasses import asdict
 
-from ddpkit.diagnostics.failures import FailureRecord, StopRecord
+from ddpkit.diagnostics.failures import RUN_DIR_ENV, FailureRecord, StopRecord, note_checkpoint
 from ddpkit.launch.launcher import LaunchSpec
 from ddpkit.launch.stopping import signals_to_handle, stop_line
 
@@ -71,6 +71,22 @@ def test_no_record_and_no_completion(tmp_path):
     assert code == 130
     assert line.startswith("ddpkit run: interrupted (Ctrl-C) before the ranks agreed on a step")
     assert line.endswith("; no checkpoint was saved; resume with: ddpkit run -n 2 train.py")
+
+
+def test_ranks_killed_before_recording_still_leave_the_newest_checkpoint_named(
+    tmp_path, monkeypatch
+):
+    # e.g. a second Ctrl-C: torchrun kills the ranks before their stop records are written;
+    # the job's CheckpointManager told the launcher of step-00000020 when it saved it
+    (tmp_path / "ck" / "step-00000020").mkdir(parents=True)
+    monkeypatch.setenv(RUN_DIR_ENV, str(tmp_path))
+    note_checkpoint(tmp_path / "ck" / "step-00000020")
+    line, code = stop_line(SPEC, str(tmp_path), signal.SIGINT)
+    assert code == 130 and "no checkpoint was saved" not in line
+    assert line.endswith(
+        f"; the newest complete checkpoint is step-00000020 in {tmp_path / 'ck'}; resume with: "
+        "ddpkit run -n 2 train.py"
+    ), line
 
 
 def test_torchrun_handles_its_own_signals_and_the_stop_signals():

@@ -28,6 +28,7 @@ from ddpkit.diagnostics.failures import (
     FailureRecord,
     StopRecord,
     count_done_records,
+    newest_checkpoint,
     newest_done_time,
     read_records,
     read_stop_records,
@@ -148,11 +149,14 @@ def kept_checkpoint(folder: str | Path, *, saved: bool) -> str:
     return f"; {label} {Path(folder).name} in {Path(folder).parent}"
 
 
-def _kept(records: list[StopRecord], spec: LaunchSpec, clean: bool) -> str:
-    """The end of the line: the checkpoint and the command that resumes."""
+def _kept(records: list[StopRecord], spec: LaunchSpec, clean: bool, run_dir: str) -> str:
+    """The end of the line: the checkpoint and the command that resumes (the newest one the
+    job's ``CheckpointManager`` told the launcher of, when no rank lived to record one)."""
     if spec.on_interrupt is not None:
         return spec.on_interrupt(saved=clean)
-    newest = next((r.checkpoint for r in records if r.checkpoint), None)
+    newest = next((r.checkpoint for r in records if r.checkpoint), None) or newest_checkpoint(
+        run_dir
+    )
     resume = f"; resume with: {spec.resume_command}" if spec.resume_command else ""
     if newest is None:
         return f"; no checkpoint was saved{resume}"
@@ -182,7 +186,7 @@ def stop_line(spec: LaunchSpec, run_dir: str, received: signal.Signals | None) -
     where, clean = _where(records, _failures(run_dir, records), spec)
     line = (
         f"{spec.command}: {stop_label(sig)}{where}; all {spec.world_size} processes stopped"
-        f"{_kept(records, spec, clean)}"
+        f"{_kept(records, spec, clean, run_dir)}"
     )
     return line, 128 + int(sig)
 
