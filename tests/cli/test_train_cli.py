@@ -237,3 +237,21 @@ def test_what_the_workers_would_refuse_is_refused_before_they_start(tmp_path, ca
         assert code == 2 and len(err.strip().splitlines()) == 1, err
         assert "backend=nccl needs one CUDA device per local rank" in err
     assert not (tmp_path / "o").exists()  # no worker started, nothing written
+
+
+def test_resume_auto_with_every_checkpoint_unreadable_keeps_them_aside(tmp_path, capsys):
+    out = tmp_path / "out"
+    argv = ["train", "--dataset", "digits", "--nproc", "1", "--epochs", "1", "--max-steps", "4",
+            "--checkpoint-every", "2", "--output-dir", str(out), "--progress", "off"]  # fmt: skip
+    assert run_main(argv, capsys)[0] == 0
+    torn = {}
+    for folder in sorted((out / "checkpoints").glob("step-*")):
+        (folder / "state.pt").write_bytes(
+            torn.setdefault(folder.name, b"torn " + folder.name.encode())
+        )
+    code, err = run_main([*argv, "--resume", "auto"], capsys)
+    assert code == 0, err  # it starts at step 0, saying why, and trains the run again
+    assert err.count("nothing was deleted") == 2, err
+    aside = out / "checkpoints" / "set-aside"
+    assert {name: (aside / name / "state.pt").read_bytes() for name in torn} == torn
+    assert json.loads((out / "summary.json").read_text())["final_step"] == 4

@@ -16,6 +16,7 @@ import shutil
 from pathlib import Path
 
 from ddpkit.checkpoint.lock import LOCK_NAME
+from ddpkit.checkpoint.manager import SET_ASIDE
 from ddpkit.distributed.collectives import barrier
 from ddpkit.distributed.process_group import Runtime
 from ddpkit.errors import ConfigError
@@ -76,9 +77,9 @@ def reset_outputs(
     if runtime.is_rank_zero:
         for name in ("summary.json", "model.pt"):
             (output_dir / name).unlink(missing_ok=True)
-        if completed_epochs is None:  # the checkpoint folder's lock (this job's) stays
+        if completed_epochs is None:  # this job's lock stays, and what a resume set aside
             for old in checkpoint_folder(output_dir).glob("*"):
-                if old.name != LOCK_NAME:
+                if old.name not in (LOCK_NAME, SET_ASIDE):
                     shutil.rmtree(old, ignore_errors=True)
             shutil.rmtree(output_dir / "tensorboard", ignore_errors=True)
         limits = {"epoch": completed_epochs, "step": completed_step}
