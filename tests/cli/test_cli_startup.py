@@ -1,4 +1,5 @@
-"""``ddpkit --help``, ``--version`` and flag errors answer without importing torch (issue 26).
+"""``ddpkit --help``, ``--version`` and flag errors answer without importing torch (issue 26);
+so do ``ddpkit train --help``, ``--print-config`` and its flag and config errors.
 
 Each command runs as ``python -m ddpkit ...`` in a fresh interpreter; an ``atexit`` hook there
 writes whether ``torch`` was ever imported. The texts and exit codes are the usual ones: the
@@ -72,6 +73,45 @@ def _ddpkit(args: list[str], tmp_path: Path) -> tuple[int, str, str, set[str]]:
             2,
             "ddpkit run: error: invalid launch: nproc=0 must be an integer >= 1; "
             "script='no-such-script.py' does not exist.",
+        ),
+        (["train", "--help"], 0, "usage: ddpkit train [-h] [--config FILE] [--print-config]"),
+        (["train", "--print-config", "--epochs", "2"], 0, "[run]  # the training run\n"),
+        (
+            ["train", "--bogus"],
+            2,
+            "ddpkit train: error: unrecognized arguments: --bogus. See 'ddpkit train --help'.",
+        ),
+        (
+            ["train", "--batch-size", "x"],
+            2,
+            "ddpkit train: error: argument --batch-size: invalid int value: 'x'. "
+            "See 'ddpkit train --help'.",
+        ),
+        (
+            ["train", "--strategy", "nope"],
+            2,
+            "ddpkit train: error: argument --strategy: invalid choice: 'nope' (choose from ",
+        ),
+        (
+            ["train", "--nproc", "0"],
+            2,
+            "ddpkit train: error: invalid config: nproc=0 must be >= 1.",
+        ),
+        (
+            ["train", "--batch-size", "0", "--stop-signals", "SIGKILL"],
+            2,
+            "ddpkit train: error: invalid config: batch_size=0 must be >= 1. "
+            "stop_signals='SIGKILL' must be signal names",
+        ),
+        (  # a rule between two values: torch waits when --nproc is given (no GPU count needed)
+            ["train", "--strategy", "single", "--nproc", "2"],
+            2,
+            "ddpkit train: error: invalid config: strategy='single' with world_size=2.",
+        ),
+        (
+            ["train", "--config", "/nonexistent/ddpkit-train.toml"],
+            2,
+            "ddpkit train: error: config file unreadable: path='/nonexistent/ddpkit-train.toml'.",
         ),
         (
             ["bogus"],

@@ -17,38 +17,30 @@ import sys
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import torch
-
+# torch-free at import: ``ddpkit train --help`` and flag errors answer without torch; what
+# needs torch (the data, the job, the launcher) is imported where it is used
 from ddpkit.app.mnist.config import SECTIONS, TrainConfig, check
-from ddpkit.app.mnist.data import RANK_MEMORY_MIB, DataSource, resolve_data
-from ddpkit.app.mnist.job import train_mnist
-from ddpkit.app.mnist.outputs import check_fresh_output, checkpoint_folder
-from ddpkit.app.mnist.resume import (
-    check_strategy,
-    check_written_by_train,
-    checkpoint_settings,
-    interrupted_note,
-    plan_batch,
-    stop_note,
-)
 from ddpkit.checkpoint.lock import check_unlocked
-from ddpkit.checkpoint.manager import check_compatible
 from ddpkit.cli.flags import add_settings_arguments, given_settings
 from ddpkit.cli.run import LIVE_MAX_RESTARTS
 from ddpkit.distributed.env import ProcessInfo, detect_process_info
-from ddpkit.distributed.process_group import resolve_backend
-from ddpkit.distributed.stop import TrainingStopped, parse_stop_signals
+from ddpkit.distributed.signals import parse_stop_signals
 from ddpkit.files import make_output_folder
-from ddpkit.launch.launcher import LaunchSpec, launch
 from ddpkit.monitoring.prometheus import check_endpoint
-from ddpkit.settings import read_toml, to_toml
+from ddpkit.settings import field_problems, read_toml, to_toml
+
+if TYPE_CHECKING:
+    from ddpkit.app.mnist.data import DataSource
 
 WORKER_FLAG = "--_worker"  # its value: the resolved settings file the parent wrote for its ranks
 
 
 def default_nproc() -> int:
     """One process per GPU on CUDA, else 2."""
+    import torch
+
     return torch.cuda.device_count() if torch.cuda.is_available() else 2
 
 
@@ -107,17 +99,34 @@ def run(args: argparse.Namespace) -> int:
     if restarted and config.checkpoint_every:  # a restart continues from the newest, never redoes
         config = dataclasses.replace(config, resume="auto")
     if args._worker:  # a rank started by the launcher below: the parent already resolved data
+        from ddpkit.app.mnist.data import resolve_data
+
         source = resolve_data(config.dataset, config.data_dir, download=False)
         return _train_here(config, source, worker=True)
     if args.print_config:
         check(config)
         print(to_toml(config, SECTIONS), end="")
         return 0
+    if field_problems(config):  # a value wrong on its own: said before torch loads
+        check(config)
+    return _check_and_start(config, given, restarted=restarted, argv=args.argv)
+
+
+def _check_and_start(
+    config: TrainConfig, given: set[str], *, restarted: bool, argv: list[str]
+) -> int:
+    """Check ``config`` with the world size, the data, the checkpoint to resume and the output
+    folder, before any worker starts; then train in this process or launch the ranks."""
     info = detect_process_info()
     one_process = config.strategy in ("single", "dp")  # their default is --nproc 1
     nproc = config.nproc or (1 if one_process else default_nproc())
     nproc = info.world_size if info.is_distributed else nproc
     check(config, world_size=nproc)
+    # torch from here on (and in default_nproc): a config error above answers without it
+    from ddpkit.app.mnist.data import resolve_data
+    from ddpkit.app.mnist.outputs import check_fresh_output, checkpoint_folder
+    from ddpkit.distributed.process_group import resolve_backend
+
     here = info if info.is_distributed else ProcessInfo(world_size=nproc, local_world_size=nproc)
     resolve_backend(config.backend, here)  # e.g. nccl without a GPU per rank: before launch
     if config.strategy == "dp":
@@ -136,14 +145,18 @@ def run(args: argparse.Namespace) -> int:
     if config.fault_tolerance == "live" and "max_restarts" not in given:
         config = dataclasses.replace(config, max_restarts=LIVE_MAX_RESTARTS)
     if nproc == 1 and not config.max_restarts:  # restarts are torchrun's: those go through it
-        return _train_here(config, source, worker=False, argv=args.argv)
+        return _train_here(config, source, worker=False, argv=argv)
     if config.metrics_port is not None:  # rank 0 would find it after every rank started
         check_endpoint(config.metrics_port, config.metrics_host)
-    return _launch(config, source, nproc, argv=args.argv)
+    return _launch(config, source, nproc, argv=argv)
 
 
 def _launch(config: TrainConfig, source: DataSource, nproc: int, *, argv: list[str]) -> int:
     """Start ``nproc`` ranks that each read the settings resolved here (data source included)."""
+    from ddpkit.app.mnist.data import RANK_MEMORY_MIB
+    from ddpkit.app.mnist.resume import interrupted_note
+    from ddpkit.launch.launcher import LaunchSpec, launch
+
     if source.note:
         print(source.note, flush=True)
     if config.max_restarts and not config.checkpoint_every:
@@ -206,7 +219,10 @@ def _compile_cache_in(folder: str, *, compile: bool) -> Iterator[None]:
 def _train_here(
     config: TrainConfig, source: DataSource, *, worker: bool, argv: list[str] | None = None
 ) -> int:
+    from ddpkit.app.mnist.job import train_mnist
+    from ddpkit.app.mnist.resume import stop_note
     from ddpkit.distributed.process_group import init_runtime
+    from ddpkit.distributed.stop import TrainingStopped
     from ddpkit.log import configure_logging, get_logger
 
     on = bool(config.stall_timeout)  # 0 = the watchdog off: no stall and no deadlock reports
@@ -237,6 +253,14 @@ def _check_resume(config: TrainConfig, source: DataSource, nproc: int) -> None:
     """Refuse, before any worker starts, a resume that the workers would refuse: settings that
     differ from the checkpoint's, or a global batch that cannot split over ``nproc``. (The
     workers split it the same way; rank 0 says how.)"""
+    from ddpkit.app.mnist.resume import (
+        check_strategy,
+        check_written_by_train,
+        checkpoint_settings,
+        plan_batch,
+    )
+    from ddpkit.checkpoint.manager import check_compatible
+
     if not config.resume:
         return
     plan = plan_batch(config, nproc)

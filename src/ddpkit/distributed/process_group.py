@@ -38,6 +38,7 @@ from ddpkit.diagnostics.failures import (
     stamp_failure_time,
     write_stop_record,
 )
+from ddpkit.distributed.choices import BACKENDS  # torch-free: the train flags read them
 from ddpkit.distributed.env import ProcessInfo, detect_process_info, slurm_rendezvous_defaults
 from ddpkit.distributed.hashseed import warn_if_str_hashes_differ
 from ddpkit.distributed.peers import PEER_ENDED, TOLD_ENDED, TOLD_SILENT, mentions
@@ -58,7 +59,6 @@ from ddpkit.live.start import join_live, wants_live
 from ddpkit.log import follow_rank_change
 from ddpkit.security.token import load_token
 
-BACKENDS = ("auto", "gloo", "nccl")
 MIN_STALL_TIMEOUT_S = 2.0  # two heartbeats of the watchdog (1 s apart)
 
 

@@ -43,8 +43,7 @@ from torch.nn.parallel import DistributedDataParallel
 from ddpkit.distributed.process_group import Runtime
 from ddpkit.errors import ConfigError
 from ddpkit.log import get_logger
-
-GRAD_COMPRESSIONS = ("none", "fp16", "bf16", "powersgd")
+from ddpkit.parallel.choices import GRAD_COMPRESSIONS  # torch-free: the train flags read them
 
 
 @dataclass(kw_only=True)

@@ -35,6 +35,7 @@ from ddpkit.distributed.process_group import Runtime
 from ddpkit.errors import ConfigError, DistributedError
 from ddpkit.guards.wrapped import WrapGuard, verify_same_parameters
 from ddpkit.log import get_logger
+from ddpkit.parallel.choices import STRATEGIES  # torch-free: the train flags read them
 from ddpkit.parallel.comm import (
     CommStats,
     check_compression,
@@ -42,7 +43,6 @@ from ddpkit.parallel.comm import (
     register_grad_hook,
 )
 
-STRATEGIES = ("auto", "single", "ddp", "dp", "zero1", "fsdp")
 _WRAPPERS = (DistributedDataParallel, DataParallel)
 _FSDP_DEFAULTS = {"wrap_policy": None, "reshard_after_forward": True, "precision": "32"}
 # the strategy each DDP wrapper was built for ("ddp" or "zero1"); weak: dropped models are freed

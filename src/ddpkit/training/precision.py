@@ -36,8 +36,7 @@ from ddpkit.distributed.collectives import gather_per_rank
 from ddpkit.distributed.process_group import Runtime
 from ddpkit.errors import ConfigError, DistributedError
 from ddpkit.parallel.fsdp import full_value
-
-PRECISIONS = ("32", "bf16-mixed", "16-mixed")
+from ddpkit.training.choices import PRECISIONS  # torch-free: the train flags read them
 
 
 @dataclass(frozen=True)

@@ -17,18 +17,15 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from ddpkit.app.mnist.data import DATASETS
-from ddpkit.app.mnist.model import OPTIMIZERS
-from ddpkit.app.mnist.monitor import PROGRESS_MODES, TENSORBOARD_MODES
-from ddpkit.distributed.process_group import BACKENDS
-from ddpkit.distributed.stop import parse_stop_signals
+from ddpkit.app.mnist.choices import DATASETS, OPTIMIZERS, PROGRESS_MODES, TENSORBOARD_MODES
+from ddpkit.distributed.choices import BACKENDS
+from ddpkit.distributed.signals import parse_stop_signals
 from ddpkit.errors import ConfigError
 from ddpkit.files import unwritable_ancestor
 from ddpkit.monitoring.trackers import check_tracker_names
-from ddpkit.parallel.comm import GRAD_COMPRESSIONS
-from ddpkit.parallel.wrap import STRATEGIES
+from ddpkit.parallel.choices import GRAD_COMPRESSIONS, STRATEGIES
 from ddpkit.settings import at_least, field_problems, finite, option, resume_keys
-from ddpkit.training.precision import PRECISIONS
+from ddpkit.training.choices import PRECISIONS
 
 COMPILE_BACKENDS = ("inductor", "aot_eager", "eager")
 

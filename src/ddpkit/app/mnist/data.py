@@ -35,6 +35,7 @@ import numpy as np
 import torch
 from torch.utils.data import TensorDataset
 
+from ddpkit.app.mnist.choices import DATASETS  # noqa: F401 (re-exported; torch-free)
 from ddpkit.app.mnist.model import MODEL_NAMES
 from ddpkit.errors import ConfigError, DataError
 
@@ -56,7 +57,6 @@ MIRRORS = (
     "http://yann.lecun.com/exdb/mnist/",
 )
 MIRRORS_ENV = "DDPKIT_MNIST_MIRRORS"
-DATASETS = ("auto", "mnist", "digits")
 # Mean and standard deviation of the MNIST training pixels scaled to [0, 1] (PyTorch's MNIST
 # example, pytorch/examples mnist/main.py).
 MNIST_MEAN, MNIST_STD = 0.1307, 0.3081

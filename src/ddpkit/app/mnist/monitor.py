@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 
+from ddpkit.app.mnist.choices import PROGRESS_MODES, TENSORBOARD_MODES  # noqa: F401 (re-exported)
 from ddpkit.app.mnist.exporting import Exporters
 from ddpkit.app.mnist.outputs import append_record
 from ddpkit.distributed.collectives import all_reduce_sum
@@ -25,8 +26,6 @@ from ddpkit.training.observe import StepTimer
 from ddpkit.training.step import StepResult
 from ddpkit.training.stragglers import RankWindow, StragglerDetector
 
-PROGRESS_MODES = ("auto", "on", "off")
-TENSORBOARD_MODES = ("auto", "off")
 _NOT_SCALARS = ("step", "epoch", "resumed_at_step")  # record keys that are no curve
 
 
