@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import shlex
 
 import pytest
 
@@ -255,3 +256,21 @@ def test_resume_auto_with_every_checkpoint_unreadable_keeps_them_aside(tmp_path,
     aside = out / "checkpoints" / "set-aside"
     assert {name: (aside / name / "state.pt").read_bytes() for name in torn} == torn
     assert json.loads((out / "summary.json").read_text())["final_step"] == 4
+
+
+def test_a_one_process_run_that_fails_names_its_newest_checkpoint_and_the_resume(
+    tmp_path, capsys
+):
+    out = tmp_path / "out"
+    argv = ["train", "--dataset", "digits", "--nproc", "1", "--epochs", "1", "--optimizer",
+            "sgd", "--lr", "1e9", "--on-nonfinite", "raise", "--checkpoint-every", "1",
+            "--output-dir", str(out), "--progress", "off"]  # fmt: skip
+    code, err = run_main(argv, capsys)
+    assert code == 1 and len(err.strip().splitlines()) == 1, err  # no launcher: this line
+    newest = sorted((out / "checkpoints").glob("step-*"))[-1]
+    resume = shlex.join(["ddpkit", *argv, "--resume", "auto"])
+    assert err.startswith("ddpkit train: error: non-finite loss at step "), err
+    assert err.strip().endswith(
+        f"skip such steps (mode='skip'); the newest complete checkpoint is {newest.name} in "
+        f"{out / 'checkpoints'}; resume with: {resume}."
+    ), err

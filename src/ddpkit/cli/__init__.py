@@ -89,7 +89,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     except DdpkitError as exc:
         if getattr(args, "_worker", False):
             raise
-        print(f"ddpkit {args.command}: error: {exc}", file=sys.stderr)
+        text = str(exc)
+        for note in getattr(exc, "__notes__", ()):  # ddpkit train: the checkpoint, the command
+            text = f"{text.rstrip('.')}; {note}."
+        print(f"ddpkit {args.command}: error: {text}", file=sys.stderr)
         return 2 if isinstance(exc, (ConfigError, DataError)) else 1
     except KeyboardInterrupt as exc:  # Ctrl-C: the harness/launcher has stopped the ranks
         if getattr(args, "_worker", False):

@@ -220,7 +220,7 @@ def _train_here(
     config: TrainConfig, source: DataSource, *, worker: bool, argv: list[str] | None = None
 ) -> int:
     from ddpkit.app.mnist.job import train_mnist
-    from ddpkit.app.mnist.resume import stop_note
+    from ddpkit.app.mnist.resume import resume_note, stop_note
     from ddpkit.distributed.process_group import init_runtime
     from ddpkit.distributed.stop import TrainingStopped
     from ddpkit.log import configure_logging, get_logger
@@ -246,6 +246,11 @@ def _train_here(
             if runtime.is_rank_zero:
                 print(stop_note(stopped, config.output_dir, argv or []), file=sys.stderr)
             return stopped.code
+        except Exception as exc:  # one process: no launcher names the checkpoint, this does
+            note = resume_note(config.output_dir, argv or [])
+            if note and not worker and runtime.is_rank_zero:
+                exc.add_note(note)  # `ddpkit train: error: ...; <note>`, or under a traceback
+            raise
     return 0
 
 

@@ -60,6 +60,14 @@ def interrupted_note(
     return f"{kept_checkpoint(folder, saved=saved)}; resume with: {command}"
 
 
+def resume_note(output_dir: str | os.PathLike[str], argv: list[str]) -> str:
+    """After a failure: ``"the newest complete checkpoint is step-N in DIR; resume with: ddpkit
+    train ... --resume auto"``, or ``""`` when the run has no checkpoint."""
+    if newest_manifest(checkpoint_folder(output_dir)) is None:
+        return ""
+    return interrupted_note(output_dir, argv, saved=False).removeprefix("; ")
+
+
 @dataclass(frozen=True)
 class BatchPlan:
     """How a run splits its global batch on this world size, and what its checkpoints record.
