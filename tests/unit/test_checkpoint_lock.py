@@ -4,7 +4,9 @@ is no obstacle (``ddpkit.checkpoint.lock``). The other job is a real process
 
 from __future__ import annotations
 
+import errno
 import json
+import logging
 import os
 import signal
 import socket
@@ -77,3 +79,33 @@ def test_a_folder_that_cannot_be_written_is_refused_when_the_manager_is_built(tm
     (tmp_path / "a_file").write_text("")
     with pytest.raises(ddpkit.ConfigError, match=r"^checkpoint folder .*a_file/ck cannot be "):
         _manager(tmp_path / "a_file" / "ck")
+
+
+def test_a_forked_child_does_not_keep_the_lock_and_a_file_system_without_locks_is_warned(
+    tmp_path, monkeypatch, caplog
+):
+    from ddpkit.checkpoint import lock
+
+    ckpt = _manager(tmp_path / "a")
+    read, write = os.pipe()
+    pid = os.fork()  # as a DataLoader worker is started after the manager
+    if pid == 0:
+        os.write(write, str(len(lock._held)).encode())
+        os._exit(0)
+    os.close(write)
+    assert os.read(read, 16) == b"0"  # the child closed its copy: the lock is the parent's alone
+    os.waitpid(pid, 0)
+    with pytest.raises(ddpkit.ConfigError, match="in use by another job"):
+        lock.check_unlocked(tmp_path / "a")  # a shared probe: the parent still holds it
+    del ckpt
+
+    def no_locks(fd, operation):
+        raise OSError(errno.ENOLCK, "No locks available")
+
+    monkeypatch.setattr(lock.fcntl, "flock", no_locks)  # e.g. an NFS mount without a lock service
+    with caplog.at_level(logging.WARNING, logger="ddpkit"):
+        _manager(tmp_path / "b").save(1)  # checkpoints still work
+        lock.check_unlocked(tmp_path / "b")
+    assert "its file system has no flock (No locks available): one job per folder is not " in (
+        caplog.text
+    )

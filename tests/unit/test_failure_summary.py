@@ -151,6 +151,6 @@ def test_the_failure_line_names_the_newest_checkpoint_a_manager_of_the_job_saved
     kept = _kept_after_failure(spec, str(run_dir))
     lines = summarize_failure([], {0: -9, 1: -15}, spec, kept=kept)
     assert lines[-1].endswith(
-        f"; the newest complete checkpoint is step-00000020 in {tmp_path / 'ck'}; rerun "
-        "`ddpkit run -n 2 train.py` to resume from it."
+        f"; the newest complete checkpoint is step-00000020 in {tmp_path / 'ck'}; resume with: "
+        "ddpkit run -n 2 train.py."
     ), lines[-1]

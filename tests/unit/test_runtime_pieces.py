@@ -147,8 +147,9 @@ def test_world_size_without_a_launcher_is_refused_not_run_as_one_process(tmp_pat
     assert done.returncode != 0 and done.stdout == "", done
     assert (
         "ConfigError: WORLD_SIZE=4 is set but RANK is not, so no launcher started this process "
-        "and it would train alone, as rank 0 of 1. Start the 4 ranks with `ddpkit run -n 4 "
-        "script.py` (or `torchrun --nproc-per-node 4 script.py`), or unset WORLD_SIZE."
+        "and it would train alone, as rank 0 of 1. Start the 4 ranks with a launcher (`ddpkit "
+        "run -n 4 script.py`, `ddpkit train --nproc 4`, or `torchrun --nproc-per-node 4 "
+        "script.py`), or unset WORLD_SIZE."
     ) in done.stderr
 
 
@@ -281,6 +282,6 @@ def test_a_listener_that_is_no_store_is_named_within_the_timeout_not_waited_on_f
         listener.close()
     assert time.monotonic() - start < 2 + STORE_GRACE_S + 5  # torch's own client: > 120 s here
     assert str(refused.value).startswith(
-        f"the listener at 127.0.0.1:{port} (MASTER_ADDR:MASTER_PORT) accepted the connection "
-        "but did not answer as a rendezvous store within 2 s: another program may hold port"
+        f"no rendezvous store answered at 127.0.0.1:{port} (MASTER_ADDR:MASTER_PORT) within 2 s, "
+        f"and torch's client was still waiting: most likely another program holds port {port}"
     )

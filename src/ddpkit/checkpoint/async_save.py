@@ -61,10 +61,12 @@ class AsyncShardedSaves:
 
     Args:
         runtime: the job's :class:`~ddpkit.Runtime` (world size 2+: sharded state needs it).
+        on_commit: called with each folder once it is committed (complete on disk).
     """
 
-    def __init__(self, runtime: Runtime) -> None:
+    def __init__(self, runtime: Runtime, on_commit: Callable[[Path], None] | None = None) -> None:
         self.runtime = runtime
+        self.on_commit = on_commit
         self._group: Any = None
         self._in_flight: _InFlight | None = None
 
@@ -154,4 +156,6 @@ class AsyncShardedSaves:
                 except Exception as exc:  # noqa: BLE001 - every rank must learn of it
                     error = error_text(exc)
             raise_if_any(all_gather_object({"error": error}, runtime), flight.step, "the commit")
+        if self.on_commit is not None:
+            self.on_commit(folder)
         return folder

@@ -17,6 +17,7 @@ the mount does not use ``local_lock=flock``/``all``.
 from __future__ import annotations
 
 import datetime
+import errno
 import fcntl
 import json
 import os
@@ -27,9 +28,13 @@ from pathlib import Path
 from typing import Any
 
 from ddpkit.errors import ConfigError
+from ddpkit.log import get_logger
 
 LOCK_NAME = ".ddpkit-lock"
+NO_LOCKS = {errno.ENOSYS, errno.EOPNOTSUPP, errno.ENOLCK}  # flock(2): the file system has none
 _held: dict[Path, list[int]] = {}  # resolved directory -> [fd, managers holding it]
+_warned: set[Path] = set()
+log = get_logger("checkpoint")
 
 
 def _command(pid: int | str) -> str:
@@ -76,10 +81,26 @@ def _refusal(directory: Path, holder: str) -> ConfigError:
     )
 
 
+def _unsupported(exc: OSError) -> bool:
+    """Whether ``flock`` failed because the file system has no locks (some FUSE and NFS
+    mounts, Lustre ``noflock``): the job then runs without one, warned once."""
+    return exc.errno in NO_LOCKS
+
+
+def _warn_unlocked(directory: Path, exc: OSError) -> None:
+    if directory not in _warned:
+        _warned.add(directory)
+        log.warning(
+            "checkpoint folder %s: its file system has no flock (%s): one job per folder is "
+            "not enforced there; make sure no other job writes it.", directory, exc.strerror,
+        )  # fmt: skip
+
+
 def check_unlocked(directory: Path) -> None:
     """Refuse a folder another job holds, before this job starts its workers; takes nothing.
 
-    Not a collective. Nothing happens when the folder or its lock file does not exist yet.
+    Not a collective. Nothing happens when the folder or its lock file does not exist yet, or
+    when its file system has no locks.
 
     Raises:
         ConfigError: another process holds ``directory``'s lock (named).
@@ -92,14 +113,39 @@ def check_unlocked(directory: Path) -> None:
         fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)  # any holder's LOCK_EX refuses it
     except BlockingIOError:
         raise _refusal(directory, _holder(fd)) from None
+    except OSError as exc:
+        if not _unsupported(exc):
+            raise
     finally:
         os.close(fd)  # closing drops the probe's own lock
+
+
+def _take(directory: Path, key: Path) -> int | None:
+    """Open and lock ``key``'s lock file, record this process as its owner; the descriptor,
+    or ``None`` where the file system has no locks. Closes what it opened on any failure."""
+    fd = os.open(key / LOCK_NAME, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, json.dumps(_owner()).encode(), 0)
+        return fd
+    except BlockingIOError:
+        holder = _holder(fd)
+        os.close(fd)
+        raise _refusal(directory, holder) from None
+    except OSError as exc:
+        os.close(fd)
+        if not _unsupported(exc):
+            raise
+        _warn_unlocked(directory, exc)
+        return None
 
 
 def lock_directory(directory: Path, owner: object) -> None:
     """Take ``directory``'s checkpoint lock for ``owner`` (released when ``owner`` is garbage
     collected, or when the process exits). Creates ``directory``. Not a collective: call it on
-    the job's rank 0.
+    the job's rank 0. Where the file system has no locks, a warning says so and nothing is
+    locked.
 
     Raises:
         ConfigError: another process holds the lock (named); the folder cannot be created or
@@ -111,15 +157,9 @@ def lock_directory(directory: Path, owner: object) -> None:
         if key in _held:
             _held[key][1] += 1
         else:
-            fd = os.open(key / LOCK_NAME, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except BlockingIOError:
-                holder = _holder(fd)
-                os.close(fd)
-                raise _refusal(directory, holder) from None
-            os.ftruncate(fd, 0)
-            os.pwrite(fd, json.dumps(_owner()).encode(), 0)
+            fd = _take(directory, key)
+            if fd is None:
+                return
             _held[key] = [fd, 1]
     except OSError as exc:
         raise ConfigError(
@@ -127,6 +167,17 @@ def lock_directory(directory: Path, owner: object) -> None:
             "this job can write (every rank must read it), e.g. --output-dir."
         ) from None
     weakref.finalize(owner, _release, key)
+
+
+def _forget_in_child() -> None:
+    """After ``fork`` (a DataLoader worker): the child closes its copies of the lock files, so
+    the lock goes with the job's process, not with a child that outlives it."""
+    for fd, _ in _held.values():
+        os.close(fd)
+    _held.clear()
+
+
+os.register_at_fork(after_in_child=_forget_in_child)
 
 
 def _release(key: Path) -> None:

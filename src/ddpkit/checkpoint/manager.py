@@ -255,9 +255,15 @@ class CheckpointManager:
             runtime.live.heal_sink = self._healed
             runtime.live.heal_unsafe_pickle = unsafe_pickle
 
-    def _known(self, step: int, folder: Path) -> None:
-        """Note the newest complete checkpoint (a stop now, by a second signal, names it)."""
+    def _known(self, step: int, folder: Path, *, committed: bool = True) -> None:
+        """Note the newest checkpoint (``committed``: complete on disk; an asynchronous save
+        is announced once :class:`AsyncShardedSaves` commits it)."""
         self._newest = (step, folder)
+        if committed:
+            self._committed(folder)
+
+    def _committed(self, folder: Path) -> None:
+        """Tell a stop now (a second signal) and the launcher the newest complete checkpoint."""
         if self.runtime.stop is not None:
             self.runtime.stop.newest_checkpoint = folder
         if self.runtime.is_rank_zero:
@@ -335,7 +341,7 @@ class CheckpointManager:
             }
 
         if sharded and self.async_save:
-            self._async = self._async or AsyncShardedSaves(self.runtime)
+            self._async = self._async or AsyncShardedSaves(self.runtime, self._committed)
             folder = self._async.start(
                 self.directory, managed, sharded, step,
                 replicated=replicated, meta=self._meta(found), prune=self._prune,
@@ -352,7 +358,7 @@ class CheckpointManager:
                 except Exception as exc:  # noqa: BLE001 - every rank must learn of it
                     error = exc
             self._agree_written(step, error)
-        self._known(step, folder)
+        self._known(step, folder, committed=not (sharded and self.async_save))
         self.save_s += time.perf_counter() - start
         if self.runtime.live is not None and self.runtime.is_rank_zero:
             self.runtime.live.record_checkpoint(step, str(folder))
@@ -581,7 +587,14 @@ class CheckpointManager:
                 continue
             reason = self._unreadable.get(newer.name)
             why = f"unreadable: {reason}" if reason else f"newer than the resumed step {step}"
-            aside = set_aside(newer, self.directory / SET_ASIDE)
+            try:
+                aside = set_aside(newer, self.directory / SET_ASIDE)
+            except OSError as exc:  # rank 0 alone: never fail here while the peers wait
+                log.warning(
+                    "checkpoint %s (%s) could not be moved aside (%s) and stays where it is: "
+                    "move or delete it before the next resume.", newer.name, why, exc,
+                )  # fmt: skip
+                continue
             log.warning(
                 "checkpoint %s (%s) moved to %s: nothing was deleted; resume it with "
                 "resume(path) once it reads again, or delete it when you no longer need it.",
@@ -651,9 +664,9 @@ class CheckpointManager:
             managed[name].load_state_dict(saved[name])
             if changed and self.runtime.is_rank_zero:
                 log.warning(
-                    "resuming %s: state[%r] was built with other settings than the checkpoint's "
-                    "(%s); the checkpoint's are restored (torch's load_state_dict). To train "
-                    "with yours, set them in %s.param_groups after resume().",
+                    "resuming %s: state[%r]'s settings differ from the checkpoint's (%s); the "
+                    "checkpoint's are restored (torch's load_state_dict). To train with yours, "
+                    "set them in %s.param_groups after resume().",
                     folder.name, name, "; ".join(changed), name,
                 )  # fmt: skip
         rng = restore_rng_state(rng_per_rank, self.runtime.rank, world_size, step=state["step"])

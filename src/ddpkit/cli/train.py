@@ -27,6 +27,7 @@ from ddpkit.cli.flags import add_settings_arguments, given_settings
 from ddpkit.cli.run import LIVE_MAX_RESTARTS
 from ddpkit.distributed.env import ProcessInfo, detect_process_info
 from ddpkit.distributed.signals import parse_stop_signals
+from ddpkit.errors import ConfigError, DataError
 from ddpkit.files import make_output_folder
 from ddpkit.monitoring.prometheus import check_endpoint
 from ddpkit.settings import field_problems, read_toml, to_toml
@@ -247,7 +248,8 @@ def _train_here(
                 print(stop_note(stopped, config.output_dir, argv or []), file=sys.stderr)
             return stopped.code
         except Exception as exc:  # one process: no launcher names the checkpoint, this does
-            note = resume_note(config.output_dir, argv or [])
+            refused = isinstance(exc, (ConfigError, DataError))  # a resume would fail alike
+            note = "" if refused else resume_note(config.output_dir, argv or [])
             if note and not worker and runtime.is_rank_zero:
                 exc.add_note(note)  # `ddpkit train: error: ...; <note>`, or under a traceback
             raise

@@ -135,8 +135,9 @@ def detect_process_info(environ: Mapping[str, str] | None = None) -> ProcessInfo
         n = _int(env, "WORLD_SIZE")
         raise ConfigError(
             f"WORLD_SIZE={n} is set but RANK is not, so no launcher started this process and it "
-            f"would train alone, as rank 0 of 1. Start the {n} ranks with `ddpkit run -n {n} "
-            f"script.py` (or `torchrun --nproc-per-node {n} script.py`), or unset WORLD_SIZE."
+            f"would train alone, as rank 0 of 1. Start the {n} ranks with a launcher (`ddpkit run "
+            f"-n {n} script.py`, `ddpkit train --nproc {n}`, or `torchrun --nproc-per-node {n} "
+            "script.py`), or unset WORLD_SIZE."
         )
     else:
         return ProcessInfo()

@@ -165,10 +165,10 @@ def connect_store(host: str, port: int, world_size: int, timeout_s: float) -> di
     thread.join(timeout_s + STORE_GRACE_S)
     if thread.is_alive():
         raise DistributedError(
-            f"the listener at {host}:{port} (MASTER_ADDR:MASTER_PORT) accepted the connection but "
-            f"did not answer as a rendezvous store within {timeout_s:g} s: another program may "
-            f"hold port {port}. Give the job a free MASTER_PORT (`ss -ltnp 'sport = :{port}'` "
-            "names the holder), or start the ranks with ddpkit run, which picks one."
+            f"no rendezvous store answered at {host}:{port} (MASTER_ADDR:MASTER_PORT) within "
+            f"{timeout_s:g} s, and torch's client was still waiting: most likely another program "
+            f"holds port {port} (`ss -ltnp 'sport = :{port}'` names it). Give the job a free "
+            "MASTER_PORT, or start the ranks with ddpkit run, which picks one."
         )
     if isinstance(result.get("error"), dist.DistNetworkError):
         raise DistributedError(

@@ -259,14 +259,17 @@ def _preflight(spec: LaunchSpec) -> NetworkPlan:
     return plan
 
 
-def _kept_after_failure(spec: LaunchSpec, run_dir: str) -> str:
-    """The failure line's end: the newest complete checkpoint and how to resume from it."""
+def _kept_after_failure(spec: LaunchSpec, run_dir: str, records: list[Any] = ()) -> str:
+    """The failure line's end: the newest complete checkpoint and how to resume from it;
+    nothing when the first failure is a refused setting or file (the resume would fail too)."""
+    if records and records[0].type in ("ConfigError", "DataError"):
+        return ""
     if spec.on_interrupt is not None:  # ddpkit train: its own checkpoint folder and command
         return spec.on_interrupt(saved=False)
     newest = newest_checkpoint(run_dir)
     if newest is None:
         return ""
-    resume = f"; rerun `{spec.resume_command}` to resume from it" if spec.resume_command else ""
+    resume = f"; resume with: {spec.resume_command}" if spec.resume_command else ""
     return f"{kept_checkpoint(newest, saved=False)}{resume}"
 
 
@@ -287,7 +290,7 @@ def _print_failure_summary(
     hints = oom_watch.hints(exit_codes, pids, spec.nproc, spec.command)
     for line in summarize_failure(
         records, exit_codes, spec, tails, finished=finished, kill_hints=hints,
-        kept=_kept_after_failure(spec, run_dir),
+        kept=_kept_after_failure(spec, run_dir, records),
     ):  # fmt: skip
         print(line, file=sys.stderr)
 

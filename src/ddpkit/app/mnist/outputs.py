@@ -54,10 +54,12 @@ def check_fresh_output(output_dir: str | Path) -> None:
     found = earlier_run(output_dir)
     if found:
         shown = ", ".join(found[:4]) + (f" and {len(found) - 4} more" if len(found) > 4 else "")
+        has_checkpoints = found[0].startswith(f"{checkpoint_folder(output_dir).name}/")
+        resume = "continue it with --resume auto, or " if has_checkpoints else ""
         raise ConfigError(
             f"--output-dir {output_dir} holds an earlier run ({shown}), which a fresh run would "
-            "delete: continue it with --resume auto, or start afresh in another --output-dir, "
-            "or pass --overwrite to delete it."
+            f"delete: {resume}start afresh in another --output-dir, or pass --overwrite to "
+            "delete it."
         )
 
 

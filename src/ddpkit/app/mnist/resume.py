@@ -49,12 +49,16 @@ def interrupted_note(
         auto"``, or a note that nothing was saved.
 
     Example:
-        >>> interrupted_note("/nonexistent", ["train"])
-        '; no checkpoint saved (--checkpoint-every N saves them): a rerun starts at step 0'
+        >>> interrupted_note("/nonexistent", ["train"])  # doctest: +NORMALIZE_WHITESPACE
+        '; no checkpoint saved (--checkpoint-every N saves them): rerun with --overwrite to
+        start again at step 0'
     """
     found = newest_manifest(checkpoint_folder(output_dir))
     if found is None:
-        return "; no checkpoint saved (--checkpoint-every N saves them): a rerun starts at step 0"
+        return (
+            "; no checkpoint saved (--checkpoint-every N saves them): rerun with --overwrite "
+            "to start again at step 0"
+        )
     folder = found[0]
     command = shlex.join(["ddpkit", *without_resume(argv), "--resume", "auto"])
     return f"{kept_checkpoint(folder, saved=saved)}; resume with: {command}"
