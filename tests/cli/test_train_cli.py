@@ -217,6 +217,12 @@ def test_a_fresh_run_in_a_folder_holding_an_earlier_run_is_refused_and_nothing_i
     assert code == 0, err
     assert not (out / "checkpoints" / "step-00000322").exists()
     assert json.loads((out / "summary.json").read_text())["final_step"] == 2
+    # that run saved no checkpoint: --resume auto has nothing to continue and would replace it
+    code, err = run_main([*argv, "--resume", "auto"], capsys)
+    assert code == 2 and len(err.strip().splitlines()) == 1, err
+    assert (
+        f"--output-dir {out} holds a finished run without checkpoints (summary.json, model.pt, "
+    ) in err and ": --resume auto has nothing to continue, and a fresh run would delete it" in err
 
 
 def test_what_the_workers_would_refuse_is_refused_before_they_start(tmp_path, capsys):

@@ -72,10 +72,13 @@ def check_module_fits(folder: Path, name: str, module: torch.nn.Module, saved: d
     )
 
 
-def optimizer_changes(optimizer: torch.optim.Optimizer, saved: dict) -> list[str]:
+def optimizer_changes(optimizer: Any, saved: Any) -> list[str]:
     """The hyper-parameters of ``optimizer`` that differ from its ``saved`` state dict, as
-    ``"lr 0.5 here, 0.1 in the checkpoint"`` (group index added past one group). Not a
-    collective; call it before ``load_state_dict``, which replaces them with the saved ones."""
+    ``"lr 0.5 here, 0.1 in the checkpoint"`` (group index added past one group); none for an
+    object that is not a ``torch.optim.Optimizer``. Not a collective; call it before
+    ``load_state_dict``, which replaces them with the saved ones."""
+    if not (isinstance(optimizer, torch.optim.Optimizer) and isinstance(saved, dict)):
+        return []
     changes = []
     groups = saved.get("param_groups", [])
     for index, (now, then) in enumerate(zip(optimizer.param_groups, groups, strict=False)):

@@ -80,12 +80,6 @@ log = get_logger("checkpoint")
 SET_ASIDE = "set-aside"  # checkpoints a resume moved out of the way: never deleted by ddpkit
 
 
-def _optimizer_changes(obj: Any, saved: Any) -> list[str]:
-    if isinstance(obj, torch.optim.Optimizer) and isinstance(saved, dict):
-        return optimizer_changes(obj, saved)
-    return []
-
-
 def set_aside(folder: Path, into: Path) -> Path:
     """Move ``folder`` into the folder ``into`` (created), under a new name if that one is
     taken; returns where it went. A rename: the same file system, nothing copied."""
@@ -660,7 +654,7 @@ class CheckpointManager:
         if sharded:  # the sharded model and optimizers, resharded (one collective)
             load_sharded(self.runtime, folder, managed, sharded, self.unsafe_pickle)
         for name in rest:
-            changed = _optimizer_changes(managed[name], saved[name])
+            changed = optimizer_changes(managed[name], saved[name])
             managed[name].load_state_dict(saved[name])
             if changed and self.runtime.is_rank_zero:
                 log.warning(

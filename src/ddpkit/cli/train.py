@@ -139,8 +139,9 @@ def _check_and_start(
     _check_resume(config, source, nproc)
     make_output_folder(config.output_dir)  # a one-line error where mkdir fails (#16)
     check_unlocked(checkpoint_folder(config.output_dir))  # another job's folder: before launch
-    if not (config.resume or config.overwrite or restarted):
-        check_fresh_output(config.output_dir)  # an earlier run is never deleted unasked
+    if not (config.overwrite or restarted or config.resume not in ("", "auto")):
+        # an earlier run is never deleted unasked (--resume auto: unless it has a checkpoint)
+        check_fresh_output(config.output_dir, resume_auto=config.resume == "auto")
     if info.is_distributed:  # torchrun -m ddpkit train, or srun -n 2
         return _train_here(config, source, worker=False)
     if config.fault_tolerance == "live" and "max_restarts" not in given:

@@ -62,6 +62,7 @@ from ddpkit.launch.stopping import (
     blocked_while_workers_start,
     kept_checkpoint,
     raising_on_signals,
+    resume_part,
     signals_to_handle,
     stop_line,
     stopped_by_workers,
@@ -269,8 +270,7 @@ def _kept_after_failure(spec: LaunchSpec, run_dir: str, records: list[Any] = ())
     newest = newest_checkpoint(run_dir)
     if newest is None:
         return ""
-    resume = f"; resume with: {spec.resume_command}" if spec.resume_command else ""
-    return f"{kept_checkpoint(newest, saved=False)}{resume}"
+    return f"{kept_checkpoint(newest, saved=False)}{resume_part(spec)}"
 
 
 def _print_failure_summary(

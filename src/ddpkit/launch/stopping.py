@@ -157,10 +157,14 @@ def _kept(records: list[StopRecord], spec: LaunchSpec, clean: bool, run_dir: str
     newest = next((r.checkpoint for r in records if r.checkpoint), None) or newest_checkpoint(
         run_dir
     )
-    resume = f"; resume with: {spec.resume_command}" if spec.resume_command else ""
     if newest is None:
-        return f"; no checkpoint was saved{resume}"
-    return f"{kept_checkpoint(newest, saved=clean)}{resume}"
+        return f"; no checkpoint was saved{resume_part(spec)}"
+    return f"{kept_checkpoint(newest, saved=clean)}{resume_part(spec)}"
+
+
+def resume_part(spec: LaunchSpec) -> str:
+    """``"; resume with: COMMAND"`` for a job whose command is known, else ``""``."""
+    return f"; resume with: {spec.resume_command}" if spec.resume_command else ""
 
 
 def stop_line(spec: LaunchSpec, run_dir: str, received: signal.Signals | None) -> tuple[str, int]:

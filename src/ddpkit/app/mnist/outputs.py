@@ -45,21 +45,32 @@ def earlier_run(output_dir: str | Path) -> list[str]:
     return found
 
 
-def check_fresh_output(output_dir: str | Path) -> None:
+def check_fresh_output(output_dir: str | Path, *, resume_auto: bool = False) -> None:
     """Refuse a fresh run in a folder that holds an earlier one (before anything starts).
+
+    ``resume_auto``: the run asked for ``--resume auto``; refused only where there is nothing to
+    resume and the earlier run finished (its ``summary.json``), which the run would replace. A
+    run stopped before its first checkpoint (a requeued job) starts again.
 
     Raises:
         ConfigError: ``output_dir`` holds checkpoints or outputs of an earlier run (named).
     """
     found = earlier_run(output_dir)
+    has_checkpoints = bool(found) and found[0].startswith(f"{checkpoint_folder(output_dir).name}/")
+    if resume_auto and (has_checkpoints or "summary.json" not in found):
+        return
     if found:
         shown = ", ".join(found[:4]) + (f" and {len(found) - 4} more" if len(found) > 4 else "")
-        has_checkpoints = found[0].startswith(f"{checkpoint_folder(output_dir).name}/")
         resume = "continue it with --resume auto, or " if has_checkpoints else ""
+        what = f"an earlier run ({shown}), which a fresh run would delete"
+        if resume_auto:
+            what = (
+                f"a finished run without checkpoints ({shown}): --resume auto has nothing to "
+                "continue, and a fresh run would delete it"
+            )
         raise ConfigError(
-            f"--output-dir {output_dir} holds an earlier run ({shown}), which a fresh run would "
-            f"delete: {resume}start afresh in another --output-dir, or pass --overwrite to "
-            "delete it."
+            f"--output-dir {output_dir} holds {what}: {resume}start afresh in another "
+            "--output-dir, or pass --overwrite to delete it."
         )
 
 
