@@ -123,9 +123,13 @@ def main() -> int:
         with tempfile.TemporaryDirectory(prefix="ddpkit-inductor-") as cache:
             env = {"TORCHINDUCTOR_CACHE_DIR": cache}  # a cold compile
             rank0 = run_distributed(
-                _worker, 2, args=(compile_backend, args.rounds, args.steps),
-                backend=args.backend, env=env, timeout_s=3600,
-            )[0]  # fmt: skip
+                _worker,
+                2,
+                args=(compile_backend, args.rounds, args.steps),
+                backend=args.backend,
+                env=env,
+                timeout_s=3600,
+            )[0]
         eager, compiled = rank0["per_step"]["eager"], rank0["per_step"]["compiled"]
         ratios = [c / e for c, e in zip(compiled, eager, strict=True)]
         first = rank0["first"]

@@ -40,10 +40,12 @@ def _build_ms(rt, train, test, fingerprint: bool) -> float:
 
 def _rounds(rt, rounds: int) -> dict[str, list[float]]:
     gen = torch.Generator().manual_seed(0)
-    train = TensorDataset(torch.rand(60_000, 1, 28, 28, generator=gen),
-                          torch.randint(0, 10, (60_000,), generator=gen))  # fmt: skip
-    test = TensorDataset(torch.rand(10_000, 1, 28, 28, generator=gen),
-                         torch.randint(0, 10, (10_000,), generator=gen))  # fmt: skip
+    train = TensorDataset(
+        torch.rand(60_000, 1, 28, 28, generator=gen), torch.randint(0, 10, (60_000,), generator=gen)
+    )
+    test = TensorDataset(
+        torch.rand(10_000, 1, 28, 28, generator=gen), torch.randint(0, 10, (10_000,), generator=gen)
+    )
     split, _ = random_split(train, [54_000, 6_000], generator=torch.Generator().manual_seed(0))
     times: dict[str, list[float]] = {}
     for _ in range(rounds):
@@ -65,16 +67,20 @@ def main() -> None:
     args = parser.parse_args()
     results = run_distributed(_rounds, 2, args=(args.rounds,), timeout_s=600)
     epoch_s = 60_000 / args.samples_per_s
-    print(f"2 gloo ranks, {args.rounds} interleaved rounds, medians of rank 0 (ms per build of "
-          "the train and the eval loader):")  # fmt: skip
+    print(
+        f"2 gloo ranks, {args.rounds} interleaved rounds, medians of rank 0 (ms per build of "
+        "the train and the eval loader):"
+    )
     medians = {key: statistics.median(values) for key, values in results[0].items()}
     for key, value in medians.items():
         print(f"  {key:45s} {value:8.2f} ms")
     for label in ("TensorDataset", "Subset of TensorDataset"):
         cost = medians[f"{label}, the fingerprint alone"]
         share = cost / 1000 / epoch_s
-        print(f"  cost on {label}: {cost:.2f} ms per build = {share:.5%} of one MNIST epoch "
-              f"({epoch_s:.0f} s at {args.samples_per_s:.0f} samples/s)")  # fmt: skip
+        print(
+            f"  cost on {label}: {cost:.2f} ms per build = {share:.5%} of one MNIST epoch "
+            f"({epoch_s:.0f} s at {args.samples_per_s:.0f} samples/s)"
+        )
 
 
 if __name__ == "__main__":

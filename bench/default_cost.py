@@ -39,8 +39,21 @@ def export_src(revision: str, into: Path) -> Path:
 
 def run_train(src: Path, data_dir: str, out: Path, extra: list[str]) -> dict:
     env = {**os.environ, "PYTHONPATH": str(src), "OMP_NUM_THREADS": "1"}
-    argv = [sys.executable, "-m", "ddpkit", "train", "--nproc", "2", "--epochs", "1",
-            "--data-dir", data_dir, "--output-dir", str(out), *extra]  # fmt: skip
+    argv = [
+        sys.executable,
+        "-m",
+        "ddpkit",
+        "train",
+        "--nproc",
+        "2",
+        "--epochs",
+        "1",
+        "--data-dir",
+        data_dir,
+        "--output-dir",
+        str(out),
+        *extra,
+    ]
     subprocess.run(argv, env=env, check=True, capture_output=True, timeout=900)
     return json.loads((out / "summary.json").read_text())
 
@@ -58,14 +71,20 @@ def main() -> None:
         for pair in range(args.pairs):
             order = ("old", "new") if pair % 2 == 0 else ("new", "old")
             for side in order:
-                summary = run_train(sides[side], args.data_dir, Path(tmp) / f"{side}{pair}",
-                                    args.extra)  # fmt: skip
+                summary = run_train(
+                    sides[side], args.data_dir, Path(tmp) / f"{side}{pair}", args.extra
+                )
                 rates[side].append(summary["samples_per_s"])
-                print(f"pair {pair} {side}: {summary['samples_per_s']:.0f} samples/s, "
-                      f"accuracy {summary['test_accuracy']:.4f}", flush=True)  # fmt: skip
+                print(
+                    f"pair {pair} {side}: {summary['samples_per_s']:.0f} samples/s, "
+                    f"accuracy {summary['test_accuracy']:.4f}",
+                    flush=True,
+                )
     old, new = (statistics.median(rates[s]) for s in ("old", "new"))
-    print(f"median samples/s: {args.baseline} {old:.0f}, this checkout {new:.0f}, "
-          f"ratio new/old {new / old:.3f} ({os.cpu_count()} cores)")  # fmt: skip
+    print(
+        f"median samples/s: {args.baseline} {old:.0f}, this checkout {new:.0f}, "
+        f"ratio new/old {new / old:.3f} ({os.cpu_count()} cores)"
+    )
 
 
 if __name__ == "__main__":

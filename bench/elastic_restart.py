@@ -83,8 +83,11 @@ def main() -> None:
             for mode in ("ddpkit", "torchrun"):
                 trial = _trial(mode, SETTINGS[setting])
                 results.setdefault(f"{setting}/{mode}", []).append(trial)
-                print(f"repeat {repeat} {setting:5} {mode:8} " + " ".join(
-                    f"{k} {v:.1f}" for k, v in trial.items()), flush=True)  # fmt: skip
+                print(
+                    f"repeat {repeat} {setting:5} {mode:8} "
+                    + " ".join(f"{k} {v:.1f}" for k, v in trial.items()),
+                    flush=True,
+                )
     print(
         f"\n{os.cpu_count()} cores, Python {platform.python_version()}, torch {torch.__version__}"
     )

@@ -145,11 +145,34 @@ def run_argv(run: Run, args: argparse.Namespace, data: list[str], out: Path) -> 
     """The command line of one run."""
     common = ["--seed", str(args.seed), "--batch-size", str(args.batch_size), *data]
     if run.flags is None:
-        return [sys.executable, __file__, "--raw-loop", "--device", run.device,
-                "--steps", str(args.steps), "--out", str(out), *common]  # fmt: skip
-    return [sys.executable, "-m", "ddpkit", "train", *run.flags, "--epochs", "1",
-            "--max-steps", str(args.steps), "--output-dir", str(out), *common, *COMMON_FLAGS,
-            *shlex.split(args.train_args)]  # fmt: skip
+        return [
+            sys.executable,
+            __file__,
+            "--raw-loop",
+            "--device",
+            run.device,
+            "--steps",
+            str(args.steps),
+            "--out",
+            str(out),
+            *common,
+        ]
+    return [
+        sys.executable,
+        "-m",
+        "ddpkit",
+        "train",
+        *run.flags,
+        "--epochs",
+        "1",
+        "--max-steps",
+        str(args.steps),
+        "--output-dir",
+        str(out),
+        *common,
+        *COMMON_FLAGS,
+        *shlex.split(args.train_args),
+    ]
 
 
 def read_figures(out: Path) -> dict[str, object]:
@@ -188,8 +211,15 @@ def check_runs(
     rows = []
     for index, run in enumerate(runs, start=1):
         figures = dict.fromkeys(FIGURES)
-        row = {"run": run.name, "settings": settings_text(run, figures), "note": "",
-               "substituted": run.substituted, "exit": None, "seconds": 0.0, **figures}  # fmt: skip
+        row = {
+            "run": run.name,
+            "settings": settings_text(run, figures),
+            "note": "",
+            "substituted": run.substituted,
+            "exit": None,
+            "seconds": 0.0,
+            **figures,
+        }
         rows.append(row)
         timeout_s = min(timeouts[run.name], deadline - time.monotonic())
         if timeout_s < 5:
@@ -205,8 +235,11 @@ def check_runs(
             row["note"] = f"killed after its timeout of {timeout_s:.0f} s"
         elif code == 0 and figures["samples_per_s"] is None:
             row["note"] = "no summary.json"
-        print(f"gpu_check: [{index}/{len(runs)}] {run.name}: exit {code} in {seconds:.1f} s",
-              file=sys.stderr, flush=True)  # fmt: skip
+        print(
+            f"gpu_check: [{index}/{len(runs)}] {run.name}: exit {code} in {seconds:.1f} s",
+            file=sys.stderr,
+            flush=True,
+        )
     raw = rows[-1]["samples_per_s"] if rows and rows[-1]["run"] == "raw_torch" else None
     for row in rows:
         speed = row["samples_per_s"]

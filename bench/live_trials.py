@@ -62,10 +62,13 @@ class Job:
 
     def __init__(self, command: list[str], env: dict[str, str]) -> None:
         self.proc = subprocess.Popen(
-            command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+            command,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
             env={**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1", **env},
             start_new_session=True,
-        )  # fmt: skip
+        )
         self.lines: list[tuple[float, str]] = []
         self._reader = threading.Thread(target=self._read, daemon=True)
         self._reader.start()
@@ -181,8 +184,13 @@ def _check_logs(out: Path) -> dict:
     for counts in samples.values():
         missing += sum(1 for i in range(DATASET_LEN) if counts[i] == 0)
         repeats += sum(c - 1 for c in counts.values() if c > 1)
-    return {"forks": forks, "steps_logged": len(steps), "epochs": len(samples),
-            "missing_samples": missing, "padding_repeats": repeats}  # fmt: skip
+    return {
+        "forks": forks,
+        "steps_logged": len(steps),
+        "epochs": len(samples),
+        "missing_samples": missing,
+        "padding_repeats": repeats,
+    }
 
 
 def live_trial(index: int, kind: str, spares: int, rng: random.Random, root: Path) -> dict:
@@ -191,8 +199,22 @@ def live_trial(index: int, kind: str, spares: int, rng: random.Random, root: Pat
     env = {"STEP_S": "0.03", "EPOCHS": "8", "LOG_STEPS": "1", "CKPT_EVERY": "0"}
     if kind == "kill_healing":
         env["SLOW_HEAL_S"] = "1"
-    command = [sys.executable, "-m", "ddpkit", "run", "-n", "3", "--fault-tolerance", "live",
-               "--heartbeat-timeout", "3", "--spares", str(spares), str(SCRIPT), str(out)]
+    command = [
+        sys.executable,
+        "-m",
+        "ddpkit",
+        "run",
+        "-n",
+        "3",
+        "--fault-tolerance",
+        "live",
+        "--heartbeat-timeout",
+        "3",
+        "--spares",
+        str(spares),
+        str(SCRIPT),
+        str(out),
+    ]
     job = Job(command, env)
     record: dict = {"trial": index, "kind": kind, "spares": spares}
     if not _wait_step(out, job, rng.randint(8, 40)):
@@ -208,18 +230,30 @@ def live_trial(index: int, kind: str, spares: int, rng: random.Random, root: Pat
     heals = [float(m) for _, s in job.lines for m in re.findall(r"at step \d+ in ([\d.]+) s", s)]
     lost_re = r"discarded on every member after ([\d.]+) s"
     lost = [float(m) for _, s in job.lines for m in re.findall(lost_re, s)]
-    failures = sum(1 for _, s in job.lines if re.search(r"^ddpkit run: live: slot \d+ "
-                                                         r"(died|stopped|left)", s))  # fmt: skip
+    failures = sum(
+        1
+        for _, s in job.lines
+        if re.search(
+            r"^ddpkit run: live: slot \d+ "
+            r"(died|stopped|left)",
+            s,
+        )
+    )
     return {
-        **record, "exit": code, "hang": code == -999, "failures": failures,
+        **record,
+        "exit": code,
+        "hang": code == -999,
+        "failures": failures,
         "survivors_kept": survivors <= {f["pid"] for f in finals},
         "final_equal": len({f["params_sha256"] for f in finals}) == 1 and len(finals) > 0,
         "discarded_steps": max((f["counters"]["discarded_steps"] for f in finals), default=None),
         "detect_s": detected[0] - at if detected else None,
         "rejoin_s": healed[0] - at if healed else None,
-        "stall_s": max(stalls, default=None), "failed_op_s": max(lost, default=None),
-        "heal_s": max(heals, default=None), **_check_logs(out),
-    }  # fmt: skip
+        "stall_s": max(stalls, default=None),
+        "failed_op_s": max(lost, default=None),
+        "heal_s": max(heals, default=None),
+        **_check_logs(out),
+    }
 
 
 def restart_trial(index: int, rng: random.Random, root: Path) -> dict:
@@ -229,8 +263,18 @@ def restart_trial(index: int, rng: random.Random, root: Path) -> dict:
     out = root / f"restart-{index:03d}"
     out.mkdir(parents=True)
     env = {"STEP_S": "0.03", "EPOCHS": "8", "CKPT_EVERY": "10"}
-    command = [sys.executable, "-m", "ddpkit", "run", "-n", "3", "--max-restarts", "3",
-               str(SCRIPT), str(out)]  # fmt: skip
+    command = [
+        sys.executable,
+        "-m",
+        "ddpkit",
+        "run",
+        "-n",
+        "3",
+        "--max-restarts",
+        "3",
+        str(SCRIPT),
+        str(out),
+    ]
     job = Job(command, env)
     if not _wait_step(out, job, rng.randint(8, 40)):
         job.wait(5)
@@ -248,8 +292,13 @@ def restart_trial(index: int, rng: random.Random, root: Path) -> dict:
     (out / "output.txt").write_text(job.output)
     resumed_re = r"resumed from .*\(step (\d+)\)"
     resumed = [int(m) for _, s in job.lines for m in re.findall(resumed_re, s)]
-    return {"trial": index, "kind": "restart", "exit": code, "back_past_fault_s": back_s,
-            "recomputed_steps": reached - max(resumed) if resumed else None}  # fmt: skip
+    return {
+        "trial": index,
+        "kind": "restart",
+        "exit": code,
+        "back_past_fault_s": back_s,
+        "recomputed_steps": reached - max(resumed) if resumed else None,
+    }
 
 
 def _stats(values: list[float]) -> str:
@@ -275,42 +324,83 @@ def run_trials(args: argparse.Namespace) -> None:
     Path(args.json).write_text(json.dumps(results, indent=1))
     live = [r for r in results if r["kind"] != "restart" and "error" not in r]
     restart = [r for r in results if r["kind"] == "restart" and "error" not in r]
-    print(f"\n{_machine()}; {len(live)} live trials, {len(restart)} restart trials (seed "
-          f"{args.seed}); results: {args.json}")
+    print(
+        f"\n{_machine()}; {len(live)} live trials, {len(restart)} restart trials (seed "
+        f"{args.seed}); results: {args.json}"
+    )
     print("| | live | | |\n|---|---|---|---|")
-    print(f"| exit 0 | {sum(r['exit'] == 0 for r in live)}/{len(live)} | hangs | "
-          f"{sum(r['hang'] for r in live)} |")
-    print(f"| survivors kept (0 restarts) | {sum(r['survivors_kept'] for r in live)}/{len(live)}"
-          f" | forks | {sum(r['forks'] for r in live)} |")
-    print(f"| final models equal | {sum(r['final_equal'] for r in live)}/{len(live)} | samples "
-          f"missing | {sum(r['missing_samples'] for r in live)} |")
-    per_failure = [r["discarded_steps"] / max(r["failures"], 1) for r in live
-                   if r["discarded_steps"] is not None]  # fmt: skip
-    print(f"| steps discarded per failure (max) | {max(per_failure, default=0):.1f} | padding "
-          f"repeats | {sum(r['padding_repeats'] for r in live)} |")
+    print(
+        f"| exit 0 | {sum(r['exit'] == 0 for r in live)}/{len(live)} | hangs | "
+        f"{sum(r['hang'] for r in live)} |"
+    )
+    print(
+        f"| survivors kept (0 restarts) | {sum(r['survivors_kept'] for r in live)}/{len(live)}"
+        f" | forks | {sum(r['forks'] for r in live)} |"
+    )
+    print(
+        f"| final models equal | {sum(r['final_equal'] for r in live)}/{len(live)} | samples "
+        f"missing | {sum(r['missing_samples'] for r in live)} |"
+    )
+    per_failure = [
+        r["discarded_steps"] / max(r["failures"], 1)
+        for r in live
+        if r["discarded_steps"] is not None
+    ]
+    print(
+        f"| steps discarded per failure (max) | {max(per_failure, default=0):.1f} | padding "
+        f"repeats | {sum(r['padding_repeats'] for r in live)} |"
+    )
     healed = sum(r["rejoin_s"] is not None for r in live)
     print(f"| a replacement healed before the job ended | {healed}/{len(live)} | | |")
     for spares in (0, 1):
         group = [r for r in live if r["spares"] == spares]
-        print(f"| spares={spares}: detection, failed step, stall, heal, rejoin (median / max s) |"
-              f" {_stats([r['detect_s'] for r in group])}, "
-              f"{_stats([r['failed_op_s'] for r in group])}, "
-              f"{_stats([r['stall_s'] for r in group])}"
-              f", {_stats([r['heal_s'] for r in group])}, {_stats([r['rejoin_s'] for r in group])}"
-              " | | |")
+        print(
+            f"| spares={spares}: detection, failed step, stall, heal, rejoin (median / max s) |"
+            f" {_stats([r['detect_s'] for r in group])}, "
+            f"{_stats([r['failed_op_s'] for r in group])}, "
+            f"{_stats([r['stall_s'] for r in group])}"
+            f", {_stats([r['heal_s'] for r in group])}, {_stats([r['rejoin_s'] for r in group])}"
+            " | | |"
+        )
     if restart:
-        print(f"| restart mode: fault to training past it (median / max s) | "
-              f"{_stats([r['back_past_fault_s'] for r in restart])} | steps trained again | "
-              f"{_stats([r['recomputed_steps'] for r in restart])} |")
+        print(
+            f"| restart mode: fault to training past it (median / max s) | "
+            f"{_stats([r['back_past_fault_s'] for r in restart])} | steps trained again | "
+            f"{_stats([r['recomputed_steps'] for r in restart])} |"
+        )
 
 
-def _train(mode: str, out: Path, faults_every: float | None, minutes: float,
-           rng: random.Random, nproc: int, spares: int = 0) -> dict:  # fmt: skip
+def _train(
+    mode: str,
+    out: Path,
+    faults_every: float | None,
+    minutes: float,
+    rng: random.Random,
+    nproc: int,
+    spares: int = 0,
+) -> dict:
     """One digits job for ``minutes`` of epochs, a SIGKILL every ``faults_every`` seconds."""
     epochs = max(int(minutes * 60 / 0.15), 2)  # ~0.15 s an epoch here
-    command = [sys.executable, "-m", "ddpkit", "train", "--nproc", str(nproc), "--dataset",
-               "digits", "--epochs", str(epochs), "--output-dir", str(out), "--max-restarts", "100",
-               "--progress", "off", "--fault-tolerance", mode]  # fmt: skip
+    command = [
+        sys.executable,
+        "-m",
+        "ddpkit",
+        "train",
+        "--nproc",
+        str(nproc),
+        "--dataset",
+        "digits",
+        "--epochs",
+        str(epochs),
+        "--output-dir",
+        str(out),
+        "--max-restarts",
+        "100",
+        "--progress",
+        "off",
+        "--fault-tolerance",
+        mode,
+    ]
     if mode == "restart":
         command += ["--checkpoint-every", "10"]
     elif spares:
@@ -329,11 +419,17 @@ def _train(mode: str, out: Path, faults_every: float | None, minutes: float,
     wall = time.monotonic() - start
     job.wait(10)
     (out / "output.txt").write_text(job.output)
-    summary = json.loads((out / "summary.json").read_text()) if (out / "summary.json").exists() \
-        else {}  # fmt: skip
+    summary = (
+        json.loads((out / "summary.json").read_text()) if (out / "summary.json").exists() else {}
+    )
     samples = summary.get("train_set_size", 0) * epochs
-    return {"mode": mode, "faults": faults, "wall_s": wall, "exit": job.proc.returncode,
-            "samples_per_wall_s": samples / wall if summary else 0.0}  # fmt: skip
+    return {
+        "mode": mode,
+        "faults": faults,
+        "wall_s": wall,
+        "exit": job.proc.returncode,
+        "samples_per_wall_s": samples / wall if summary else 0.0,
+    }
 
 
 def _descendants(pid: int) -> set[int]:
@@ -341,8 +437,9 @@ def _descendants(pid: int) -> set[int]:
     for entry in Path("/proc").iterdir():
         if entry.name.isdigit():
             try:
-                parents[int(entry.name)] = int((entry / "stat").read_text().rsplit(")", 1)[1]
-                                               .split()[1])  # fmt: skip
+                parents[int(entry.name)] = int(
+                    (entry / "stat").read_text().rsplit(")", 1)[1].split()[1]
+                )
             except (OSError, IndexError, ValueError):
                 continue
     found = {pid}
@@ -383,47 +480,81 @@ def run_goodput(args: argparse.Namespace) -> None:
     root = Path(tempfile.mkdtemp(prefix="ddpkit-live-goodput-"))
     rows = []
     for mode in ("live", "restart"):
-        clean = _train(mode, root / f"{mode}-clean", None, args.minutes, rng, args.nproc,
-                       args.spares)  # fmt: skip
+        clean = _train(
+            mode, root / f"{mode}-clean", None, args.minutes, rng, args.nproc, args.spares
+        )
         print(json.dumps({"mode": mode, "clean": clean}), flush=True)
         for every in args.every:
-            faulty = _train(mode, root / f"{mode}-faults-{every:g}", every, args.minutes, rng,
-                            args.nproc, args.spares)  # fmt: skip
-            ratio = faulty["samples_per_wall_s"] / clean["samples_per_wall_s"] if clean[
-                "samples_per_wall_s"] else float("nan")  # fmt: skip
+            faulty = _train(
+                mode,
+                root / f"{mode}-faults-{every:g}",
+                every,
+                args.minutes,
+                rng,
+                args.nproc,
+                args.spares,
+            )
+            ratio = (
+                faulty["samples_per_wall_s"] / clean["samples_per_wall_s"]
+                if clean["samples_per_wall_s"]
+                else float("nan")
+            )
             rows.append((mode, every, clean, faulty, ratio))
-            print(json.dumps({"mode": mode, "every_s": every, "faults": faulty,
-                              "goodput": ratio}), flush=True)  # fmt: skip
-    print(f"\n{_machine()}; digits, {args.nproc} ranks (live: {args.spares} warm spare(s)), "
-          f"{args.minutes:g} min of epochs, a SIGKILL to a random worker every N s; outputs in "
-          f"{root}")
+            print(
+                json.dumps({"mode": mode, "every_s": every, "faults": faulty, "goodput": ratio}),
+                flush=True,
+            )
+    print(
+        f"\n{_machine()}; digits, {args.nproc} ranks (live: {args.spares} warm spare(s)), "
+        f"{args.minutes:g} min of epochs, a SIGKILL to a random worker every N s; outputs in "
+        f"{root}"
+    )
     print("| mode | N (s) | faults | wall with faults (s) | wall without (s) | goodput |")
     print("|---|---|---|---|---|---|")
     for mode, every, clean, faulty, ratio in rows:
-        print(f"| {mode} | {every:g} | {faulty['faults']} | {faulty['wall_s']:.1f} (exit "
-              f"{faulty['exit']}) | {clean['wall_s']:.1f} | {ratio:.3f} |")
+        print(
+            f"| {mode} | {every:g} | {faulty['faults']} | {faulty['wall_s']:.1f} (exit "
+            f"{faulty['exit']}) | {clean['wall_s']:.1f} | {ratio:.3f} |"
+        )
 
 
 def run_cost(args: argparse.Namespace) -> None:
     root = Path(tempfile.mkdtemp(prefix="ddpkit-live-cost-"))
-    data = ["--dataset", "digits", "--epochs", "30"] if args.data_dir is None else [
-        "--data-dir", args.data_dir, "--epochs", "1"]  # fmt: skip
+    data = (
+        ["--dataset", "digits", "--epochs", "30"]
+        if args.data_dir is None
+        else ["--data-dir", args.data_dir, "--epochs", "1"]
+    )
     rates: dict[str, list[float]] = {"live": [], "restart": []}
     for round_ in range(args.rounds):
         for mode in ("restart", "live") if round_ % 2 else ("live", "restart"):
             out = root / f"{mode}-{round_}"
-            command = [sys.executable, "-m", "ddpkit", "train", "--nproc", "2", *data,
-                       "--output-dir", str(out), "--progress", "off",
-                       "--fault-tolerance", mode]  # fmt: skip
+            command = [
+                sys.executable,
+                "-m",
+                "ddpkit",
+                "train",
+                "--nproc",
+                "2",
+                *data,
+                "--output-dir",
+                str(out),
+                "--progress",
+                "off",
+                "--fault-tolerance",
+                mode,
+            ]
             job = Job(command, {})
             job.wait(900)
             rates[mode].append(json.loads((out / "summary.json").read_text())["samples_per_s"])
             print(mode, round(rates[mode][-1]), flush=True)
     live, restart = statistics.median(rates["live"]), statistics.median(rates["restart"])
     print(f"\n{_machine()}; {' '.join(data)}, 2 ranks, {args.rounds} interleaved rounds")
-    print(f"samples/s median: live {live:.0f}, restart {restart:.0f}; live/restart "
-          f"{live / restart:.3f}; each: live {[round(r) for r in rates['live']]}, restart "
-          f"{[round(r) for r in rates['restart']]}")
+    print(
+        f"samples/s median: live {live:.0f}, restart {restart:.0f}; live/restart "
+        f"{live / restart:.3f}; each: live {[round(r) for r in rates['live']]}, restart "
+        f"{[round(r) for r in rates['restart']]}"
+    )
 
 
 def _machine() -> str:

@@ -43,14 +43,32 @@ import torch
 from ddpkit.checkpoint.io import list_checkpoints, load_checkpoint
 
 EPOCHS, STEPS_PER_EPOCH = 10, 12
-JOB = ["-m", "ddpkit", "train", "--dataset", "digits", "--nproc", "2", "--epochs", str(EPOCHS),
-       "--checkpoint-every", "50", "--log-every", "1", "--progress", "off",
-       "--tensorboard", "off"]  # fmt: skip
+JOB = [
+    "-m",
+    "ddpkit",
+    "train",
+    "--dataset",
+    "digits",
+    "--nproc",
+    "2",
+    "--epochs",
+    str(EPOCHS),
+    "--checkpoint-every",
+    "50",
+    "--log-every",
+    "1",
+    "--progress",
+    "off",
+    "--tensorboard",
+    "off",
+]
 TOTAL_STEPS = EPOCHS * STEPS_PER_EPOCH
 SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
 TARGETS = ("launcher", "one rank", "every process")
-LINE = re.compile(r"after step (\d+) .*?(?:; saved: checkpoint (step-\d+) in (\S+))?"
-                  r"(?:; resume with: (.+))?$")  # fmt: skip
+LINE = re.compile(
+    r"after step (\d+) .*?(?:; saved: checkpoint (step-\d+) in (\S+))?"
+    r"(?:; resume with: (.+))?$"
+)
 
 
 def _tree(pid: int) -> set[int]:
@@ -90,8 +108,11 @@ def _run(argv: list[str], out: Path, timeout_s: float = 600) -> subprocess.Compl
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     return subprocess.run(
         [sys.executable, *argv, "--output-dir", str(out)],
-        capture_output=True, text=True, timeout=timeout_s, env=env,
-    )  # fmt: skip
+        capture_output=True,
+        text=True,
+        timeout=timeout_s,
+        env=env,
+    )
 
 
 def _signal(proc: subprocess.Popen, target: str, sig: signal.Signals, rng: random.Random) -> str:
@@ -130,9 +151,13 @@ def _stopped_run(workdir: Path, delay: tuple, target: str, sig: signal.Signals, 
     out = workdir / "run"
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     proc = subprocess.Popen(
-        [sys.executable, *JOB, "--output-dir", str(out)], stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE, text=True, env=env, start_new_session=True,
-    )  # fmt: skip
+        [sys.executable, *JOB, "--output-dir", str(out)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+        start_new_session=True,
+    )
     phase, value = delay
     if phase == "training":
         _wait_step(proc, out, value)
@@ -152,19 +177,35 @@ def _stopped_run(workdir: Path, delay: tuple, target: str, sig: signal.Signals, 
         proc.communicate()
         return {"deadlock": True, "hit": hit, "exit_s": deadline, "errors": ""}
     orphans = [pid for pid in tree | _tree(proc.pid) if pid != proc.pid and _alive(pid)]
-    return {"deadlock": False, "hit": hit, "finished": finished, "code": proc.returncode,
-            "exit_s": exit_s, "errors": errors, "orphans": orphans, "out": out}  # fmt: skip
+    return {
+        "deadlock": False,
+        "hit": hit,
+        "finished": finished,
+        "code": proc.returncode,
+        "exit_s": exit_s,
+        "errors": errors,
+        "orphans": orphans,
+        "out": out,
+    }
 
 
 def trial(rng: random.Random, workdir: Path, reference: dict, phases: tuple, deadline: float):
     target, sig = rng.choice(TARGETS), rng.choice(SIGNALS)
     startup_s, training_s = phases
     start_up = rng.random() < 0.25
-    delay = ("start-up", rng.uniform(0, startup_s)) if start_up else (
-        "training", rng.randint(1, TOTAL_STEPS - 5))  # fmt: skip
+    delay = (
+        ("start-up", rng.uniform(0, startup_s))
+        if start_up
+        else ("training", rng.randint(1, TOTAL_STEPS - 5))
+    )
     got = _stopped_run(workdir, delay, target, sig, rng, deadline)
-    row = {"target": got["hit"], "signal": sig.name, "phase": delay[0], "delay_s": delay[1],
-           "exit_s": got["exit_s"]}  # fmt: skip
+    row = {
+        "target": got["hit"],
+        "signal": sig.name,
+        "phase": delay[0],
+        "delay_s": delay[1],
+        "exit_s": got["exit_s"],
+    }
     problems = []
     if got["deadlock"]:
         return {**row, "problems": ["deadlock"], "step": None}
@@ -240,9 +281,12 @@ def _reference(out: Path) -> tuple[dict, tuple[float, float]]:
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     start = time.monotonic()
     proc = subprocess.Popen(
-        [sys.executable, *JOB, "--output-dir", str(out)], stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE, text=True, env=env,
-    )  # fmt: skip
+        [sys.executable, *JOB, "--output-dir", str(out)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+    )
     _wait_first_step(proc, out)
     first = time.monotonic()
     _, errors = proc.communicate(timeout=600)
@@ -283,17 +327,25 @@ def main() -> int:
             row = trial(rng, workdir, reference, phases, args.deadline)
             rows.append(row)
             status = "ok" if not row["problems"] else "FAIL " + "; ".join(row["problems"])
-            when = (f"start-up +{row['delay_s']:.1f} s" if row["phase"] == "start-up"
-                    else f"step {row['delay_s']:3d}")  # fmt: skip
-            print(f"trial {number:3d}: {row['signal']:<7} to {row['target']:<15} at {when}, "
-                  f"stopped after step {row['step']}, exit {row['exit_s']:.2f} s later: "
-                  f"{status}", flush=True)  # fmt: skip
+            when = (
+                f"start-up +{row['delay_s']:.1f} s"
+                if row["phase"] == "start-up"
+                else f"step {row['delay_s']:3d}"
+            )
+            print(
+                f"trial {number:3d}: {row['signal']:<7} to {row['target']:<15} at {when}, "
+                f"stopped after step {row['step']}, exit {row['exit_s']:.2f} s later: "
+                f"{status}",
+                flush=True,
+            )
     _table(rows)
     signalled = [r["exit_s"] for r in rows if not r["target"].startswith("none")]
     failed = [r for r in rows if r["problems"]]
-    print(f"\n{len(rows)} trials, {len(rows) - len(failed)} passed, {len(failed)} failed; "
-          f"signal to exit: median {statistics.median(signalled):.2f} s, max "
-          f"{max(signalled):.2f} s ({len(signalled)} signalled)")  # fmt: skip
+    print(
+        f"\n{len(rows)} trials, {len(rows) - len(failed)} passed, {len(failed)} failed; "
+        f"signal to exit: median {statistics.median(signalled):.2f} s, max "
+        f"{max(signalled):.2f} s ({len(signalled)} signalled)"
+    )
     return 1 if failed else 0
 
 

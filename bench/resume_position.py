@@ -30,8 +30,9 @@ NUM_SAMPLES, BATCH = 60_000, 64
 
 
 def _loader(rank: int, world_size: int, data: TensorDataset) -> ddpkit.ShardedLoader:
-    info = ProcessInfo(rank=rank, world_size=world_size, local_world_size=world_size,
-                       local_rank=rank)  # fmt: skip
+    info = ProcessInfo(
+        rank=rank, world_size=world_size, local_world_size=world_size, local_rank=rank
+    )
     rt = Runtime(info, backend=None, device=torch.device("cpu"))
     return ddpkit.build_train_loader(data, rt, batch_size=BATCH, seed=0)
 

@@ -100,8 +100,12 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         for index in range(args.rounds):
             for async_save in (False, True) if index % 2 == 0 else (True, False):
-                results = run_distributed(_save_rank, args.nproc, timeout_s=900,
-                                          args=(settings, tmp, async_save, args.steps))  # fmt: skip
+                results = run_distributed(
+                    _save_rank,
+                    args.nproc,
+                    timeout_s=900,
+                    args=(settings, tmp, async_save, args.steps),
+                )
                 runs[async_save].append(_slowest(results))
             for nproc in resumes:
                 times = run_distributed(_resume_rank, nproc, args=(settings, tmp), timeout_s=900)
@@ -111,13 +115,17 @@ def main() -> None:
     sync, asynchronous = runs[False], runs[True]
     print(machine_line())
     params_m = settings.num_parameters / 1e6
-    print(f"fsdp on {args.nproc} ranks, {params_m:.1f} M parameters + AdamW state: checkpoint "
-          f"{size_mib:.0f} MiB; medians of {args.rounds} rounds, slowest rank")  # fmt: skip
+    print(
+        f"fsdp on {args.nproc} ranks, {params_m:.1f} M parameters + AdamW state: checkpoint "
+        f"{size_mib:.0f} MiB; medians of {args.rounds} rounds, slowest rank"
+    )
     print(f"synchronous save: save() blocks {_median(sync, 'save_s'):.3f} s")
-    print(f"async save: save() blocks {_median(asynchronous, 'save_s'):.3f} s; {args.steps} steps "
-          f"while writing {_median(asynchronous, 'steps_in_flight_s'):.3f} s (without a save in "
-          f"flight {_median(asynchronous, 'quiet_steps_s'):.3f} s); wait() then blocks "
-          f"{_median(asynchronous, 'wait_s'):.3f} s")  # fmt: skip
+    print(
+        f"async save: save() blocks {_median(asynchronous, 'save_s'):.3f} s; {args.steps} steps "
+        f"while writing {_median(asynchronous, 'steps_in_flight_s'):.3f} s (without a save in "
+        f"flight {_median(asynchronous, 'quiet_steps_s'):.3f} s); wait() then blocks "
+        f"{_median(asynchronous, 'wait_s'):.3f} s"
+    )
     for nproc, times in resumes.items():
         print(f"resume on {nproc} ranks: {statistics.median(times):.3f} s")
 

@@ -70,8 +70,10 @@ def main() -> int:
     parser.add_argument("--steps", type=int, default=40, help="steps per block")
     parser.add_argument("--batch-size", type=int, default=64, help="per rank")
     args = parser.parse_args()
-    print(f"torch {torch.__version__}, 2 gloo ranks, batch {args.batch_size} per rank, "
-          f"{args.rounds} rounds of {args.steps}-step blocks per form")  # fmt: skip
+    print(
+        f"torch {torch.__version__}, 2 gloo ranks, batch {args.batch_size} per rank, "
+        f"{args.rounds} rounds of {args.steps}-step blocks per form"
+    )
     for name in ("digits", "mnist"):
         result = run_distributed(
             _measure, 2, args=(name, args.rounds, args.steps, args.batch_size), timeout_s=1800
@@ -82,8 +84,10 @@ def main() -> int:
         for form in FORMS:
             step_s = statistics.median(t for t, _ in result["times"][form])
             check_s = statistics.median(c for _, c in result["times"][form])
-            print(f"  {form:<30} {step_s * 1e3:9.3f} {step_s / base:7.4f} "
-                  f"{check_s * 1e3:8.4f}ms {100 * check_s / base:9.2f}%")  # fmt: skip
+            print(
+                f"  {form:<30} {step_s * 1e3:9.3f} {step_s / base:7.4f} "
+                f"{check_s * 1e3:8.4f}ms {100 * check_s / base:9.2f}%"
+            )
     return 0
 
 

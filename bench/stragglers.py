@@ -89,12 +89,16 @@ def _detect_job(runtime, factors: list[float], steps: int) -> list[dict]:
             summary = _run(runtime, phase, (factor - 1) * own, steps)
             named = [n for n in summary["named"] if n["rank"] == 1 and n["phase"] == phase]
             wrong = [n for n in summary["named"] if (n["rank"], n["phase"]) != (1, phase)]
-            rows.append({
-                "phase": phase, "factor": factor, "own_ms": own * 1e3,
-                "named_step": named[0]["named_step"] if named else None,
-                "measured": named[0]["factor"] if named else None,
-                "wrong": [(n["rank"], n["phase"], round(n["factor"], 2)) for n in wrong],
-            })  # fmt: skip
+            rows.append(
+                {
+                    "phase": phase,
+                    "factor": factor,
+                    "own_ms": own * 1e3,
+                    "named_step": named[0]["named_step"] if named else None,
+                    "measured": named[0]["factor"] if named else None,
+                    "wrong": [(n["rank"], n["phase"], round(n["factor"], 2)) for n in wrong],
+                }
+            )
     return rows
 
 
@@ -160,20 +164,27 @@ def main() -> int:
         for r in rows:
             measured = f"{r['measured']:.2f}x" if r["measured"] else "-"
             also = f" also named: {r['wrong']}" if r["wrong"] else ""
-            print(f"| {r['phase']} | {r['factor']:g}x | {r['own_ms']:.1f} | "
-                  f"{r['named_step'] or '-'} | {measured} |{also}")  # fmt: skip
+            print(
+                f"| {r['phase']} | {r['factor']:g}x | {r['own_ms']:.1f} | "
+                f"{r['named_step'] or '-'} | {measured} |{also}"
+            )
     elif args.mode == "balanced":
         for world in (2, 3):
-            counts = run_distributed(_balanced_job, world, args=(args.runs, args.steps),
-                                     timeout_s=3600)[0]  # fmt: skip
-            print(f"world size {world}: {args.runs} runs x {args.steps} steps, "
-                  f"false alarms {sum(counts)} ({counts})")  # fmt: skip
+            counts = run_distributed(
+                _balanced_job, world, args=(args.runs, args.steps), timeout_s=3600
+            )[0]
+            print(
+                f"world size {world}: {args.runs} runs x {args.steps} steps, "
+                f"false alarms {sum(counts)} ({counts})"
+            )
     else:
         rates = run_distributed(_cost_job, 2, args=(args.rounds, 100), timeout_s=3600)[0]
         for form in ("TrainStep", "own loop"):
             on, off = rates[f"{form} on"], rates[f"{form} off"]
-            print(f"{form}: samples/s with detection {on:.0f}, without {off:.0f}, ratio "
-                  f"{on / off:.4f} (medians of {args.rounds} blocks of 100 steps)")  # fmt: skip
+            print(
+                f"{form}: samples/s with detection {on:.0f}, without {off:.0f}, ratio "
+                f"{on / off:.4f} (medians of {args.rounds} blocks of 100 steps)"
+            )
     return 0
 
 

@@ -61,21 +61,40 @@ def heartbeat_cost(num_ticks: int) -> None:
     finally:
         stop.set()
         trainer.join()
-    for name, values in (("heartbeat (sample + store write + request check)", ticks),
-                         ("of which the stack sample (locate)", locates)):  # fmt: skip
+    for name, values in (
+        ("heartbeat (sample + store write + request check)", ticks),
+        ("of which the stack sample (locate)", locates),
+    ):
         values.sort()
         median, p99 = values[len(values) // 2], values[int(len(values) * 0.99)]
-        print(f"{name:52s} median {median * 1e6:7.1f} us  p99 {p99 * 1e6:7.1f} us  "
-              f"= {median * 100:.4f}% of each 1 s interval")  # fmt: skip
+        print(
+            f"{name:52s} median {median * 1e6:7.1f} us  p99 {p99 * 1e6:7.1f} us  "
+            f"= {median * 100:.4f}% of each 1 s interval"
+        )
 
 
 def train_rate(data_dir: str, on: bool, out: Path) -> float:
     subprocess.run(
-        [sys.executable, "-m", "ddpkit", "train", "--nproc", "2", "--data-dir", data_dir,
-         "--max-steps", "200", "--output-dir", str(out),
-         "--stall-timeout", "300" if on else "0"],
-        check=True, capture_output=True, env=dict(os.environ),
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "ddpkit",
+            "train",
+            "--nproc",
+            "2",
+            "--data-dir",
+            data_dir,
+            "--max-steps",
+            "200",
+            "--output-dir",
+            str(out),
+            "--stall-timeout",
+            "300" if on else "0",
+        ],
+        check=True,
+        capture_output=True,
+        env=dict(os.environ),
+    )
     return json.loads((out / "summary.json").read_text())["samples_per_s"]
 
 

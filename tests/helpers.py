@@ -121,8 +121,10 @@ def checkpoint_writer(directory: Path) -> subprocess.Popen:
     """Start a checkpoint-writing job on ``directory``; return once it saved one checkpoint."""
     proc = subprocess.Popen(
         [sys.executable, "-m", "ddpkit.testing.checkpoint_writer", str(directory)],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-    )  # fmt: skip
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     assert proc.stdout.readline().strip() == "ready", proc.communicate(timeout=30)[1][-2000:]
     deadline = time.monotonic() + 30
     while not list(directory.glob("step-*/manifest.json")):

@@ -34,7 +34,7 @@ def test_sharded_strategies_hold_their_share_of_the_bytes(tmp_path):
         "--csv",
         str(table),
     ]
-    done = run_cli(args, 240)  # fmt: skip
+    done = run_cli(args, 240)
     assert done.returncode == 0, done.output
     report = json.loads(done.stdout)
     rows = {(r["strategy"], r["nproc"]): r for r in report["rows"]}

@@ -29,10 +29,25 @@ def test_launcher_summary_carries_the_hint(tmp_path):
 @pytest.mark.slow
 def test_nan_loss_points_at_the_guard(tmp_path):
     result = run_cli(
-        ["-m", "ddpkit", "train", "--dataset", "digits", "--nproc", "2", "--optimizer", "sgd",
-         "--lr", "1e5", "--max-steps", "10", "--output-dir", str(tmp_path / "run")],
+        [
+            "-m",
+            "ddpkit",
+            "train",
+            "--dataset",
+            "digits",
+            "--nproc",
+            "2",
+            "--optimizer",
+            "sgd",
+            "--lr",
+            "1e5",
+            "--max-steps",
+            "10",
+            "--output-dir",
+            str(tmp_path / "run"),
+        ],
         timeout_s=180,
-    )  # fmt: skip
+    )
     assert result.returncode == 1, result.output
     assert "mean train loss over all ranks is nan" in result.output
     assert "--on-nonfinite raise" in result.output

@@ -90,9 +90,17 @@ def test_memory_check_names_the_largest_count_that_fits():
 
 
 ONE_EPOCH = [
-    {"epoch": 1, "step": 469, "train_loss": 0.21, "test_loss": 0.05, "test_accuracy": 0.9884,
-     "samples_per_s": 1510.0, "data_s_per_step": 0.001, "forward_s_per_step": 0.01}
-]  # fmt: skip
+    {
+        "epoch": 1,
+        "step": 469,
+        "train_loss": 0.21,
+        "test_loss": 0.05,
+        "test_accuracy": 0.9884,
+        "samples_per_s": 1510.0,
+        "data_s_per_step": 0.001,
+        "forward_s_per_step": 0.01,
+    }
+]
 STEPS = [
     {"step": s, "epoch": 1, "loss": 2.3 / s**0.5, "samples_per_s": 1500.0 + s, "lr": 0.001}
     for s in range(50, 469, 50)

@@ -84,8 +84,23 @@ def test_a_checkpoint_into_a_full_disk_is_one_line_naming_the_disk(tmp_path, tmp
 def test_ddpkit_train_on_a_full_disk_names_rank_0s_own_error_first(tmp_path, tmpfs_allowed):
     # the digits CNN's checkpoint is 1.1 MiB: 2000 KiB hold the one of step 2, not step 4 beside it
     run = tmp_path / "mnt" / "run"
-    argv = ["-m", "ddpkit", "train", "--nproc", "2", "--dataset", "digits", "--epochs", "1",
-            "--max-steps", "4", "--checkpoint-every", "2", "--output-dir", str(run)]  # fmt: skip
+    argv = [
+        "-m",
+        "ddpkit",
+        "train",
+        "--nproc",
+        "2",
+        "--dataset",
+        "digits",
+        "--epochs",
+        "1",
+        "--max-steps",
+        "4",
+        "--checkpoint-every",
+        "2",
+        "--output-dir",
+        str(run),
+    ]
     result = _in_tmpfs(tmp_path / "mnt", "2000k", run / "checkpoints", argv)
     assert result.returncode == 1, result.output
     lines = result.stderr[result.stderr.index("ddpkit train: first failure") :].splitlines()

@@ -8,14 +8,27 @@ import pytest
 
 from tests.helpers import run_main
 
-EPOCH = {"epoch": 1, "train_loss": 0.5, "test_loss": 0.4, "test_accuracy": 0.9,
-         "samples_per_s": 1000.0, "step": 40}  # fmt: skip
+EPOCH = {
+    "epoch": 1,
+    "train_loss": 0.5,
+    "test_loss": 0.4,
+    "test_accuracy": 0.9,
+    "samples_per_s": 1000.0,
+    "step": 40,
+}
 
 
 def _rank(step: int, rank: int, compute_ms: float) -> dict:
-    return {"step": step, "rank": rank, "host": f"node{rank}", "data_s": 0.001,
-            "compute_s": compute_ms / 1e3, "comm_wait_s": 0.0, "step_s": 0.06,
-            "samples_per_s": 500.0}  # fmt: skip
+    return {
+        "step": step,
+        "rank": rank,
+        "host": f"node{rank}",
+        "data_s": 0.001,
+        "compute_s": compute_ms / 1e3,
+        "comm_wait_s": 0.0,
+        "step_s": 0.06,
+        "samples_per_s": 500.0,
+    }
 
 
 def test_ranks_png_has_a_line_per_rank_with_the_slow_rank_on_top(tmp_path, capsys):

@@ -190,10 +190,23 @@ def test_a_second_train_on_a_running_jobs_folder_is_refused_before_any_worker_st
     first = checkpoint_writer(checkpoints)  # a running job, saving into the folder
     try:
         second = run_cli(
-            ["-m", "ddpkit", "train", "--nproc", "2", "--data-dir", str(mnist_dir),
-             "--output-dir", str(tmp_path / "out"), "--max-steps", "20", "--progress", "off"],
+            [
+                "-m",
+                "ddpkit",
+                "train",
+                "--nproc",
+                "2",
+                "--data-dir",
+                str(mnist_dir),
+                "--output-dir",
+                str(tmp_path / "out"),
+                "--max-steps",
+                "20",
+                "--progress",
+                "off",
+            ],
             timeout_s=60,
-        )  # fmt: skip
+        )
         assert second.returncode == 2, second.stderr[-2000:]
         lines = second.stderr.strip().splitlines()
         assert len(lines) == 1 and "[rank" not in second.stdout + second.stderr, second

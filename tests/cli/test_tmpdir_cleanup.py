@@ -51,9 +51,12 @@ def _signalled(
     status and stderr. Every process of the job is killed if anything goes wrong."""
     proc = subprocess.Popen(
         [sys.executable, *args],
-        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
-        env={**os.environ, "PYTHONUNBUFFERED": "1", **env}, start_new_session=True,
-    )  # fmt: skip
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "PYTHONUNBUFFERED": "1", **env},
+        start_new_session=True,
+    )
     try:
         deadline = time.monotonic() + 60
         while not ready():
@@ -116,10 +119,22 @@ def test_run_stopped_before_its_workers_start_leaves_nothing_in_tmpdir(tmpdir_en
 @pytest.mark.slow
 def test_train_leaves_nothing_in_tmpdir(tmpdir_env, mnist_dir, tmp_path):
     result = run_cli(
-        ["-m", "ddpkit", "train", "--nproc", "2", "--max-steps", "20", "--data-dir",
-         str(mnist_dir), "--output-dir", str(tmp_path / "out")],
-        timeout_s=180, env=tmpdir_env,
-    )  # fmt: skip
+        [
+            "-m",
+            "ddpkit",
+            "train",
+            "--nproc",
+            "2",
+            "--max-steps",
+            "20",
+            "--data-dir",
+            str(mnist_dir),
+            "--output-dir",
+            str(tmp_path / "out"),
+        ],
+        timeout_s=180,
+        env=tmpdir_env,
+    )
     assert result.returncode == 0, result.output
     assert (tmp_path / "out" / "summary.json").is_file()
     assert _left_behind(tmpdir_env) == []

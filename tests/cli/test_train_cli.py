@@ -169,15 +169,21 @@ def test_version_names_ddpkit_and_torch(capsys):
 @pytest.mark.parametrize(
     "saved,strategy,expected",
     [
-        ({"model": "fsdp_model", "optimizer": "fsdp_optimizer"}, "zero1",
-         "holds state['optimizer'] as fsdp_optimizer; this job's state['optimizer'] is a "
-         "ZeroRedundancyOptimizer (--strategy zero1)"),
-        ({"optimizer": "zero_optimizer"}, "fsdp",
-         "holds state['model'] as unsharded (state.pt); this job's state['model'] is an FSDP "
-         "model (--strategy fsdp)"),
+        (
+            {"model": "fsdp_model", "optimizer": "fsdp_optimizer"},
+            "zero1",
+            "holds state['optimizer'] as fsdp_optimizer; this job's state['optimizer'] is a "
+            "ZeroRedundancyOptimizer (--strategy zero1)",
+        ),
+        (
+            {"optimizer": "zero_optimizer"},
+            "fsdp",
+            "holds state['model'] as unsharded (state.pt); this job's state['model'] is an FSDP "
+            "model (--strategy fsdp)",
+        ),
         (None, "fsdp", "holds state['model'] as unsharded (state.pt)"),
     ],
-)  # fmt: skip
+)
 def test_resume_with_a_strategy_the_checkpoint_cannot_load_is_refused_before_launch(
     tmp_path, capsys, saved, strategy, expected
 ):
@@ -196,14 +202,30 @@ def test_a_fresh_run_in_a_folder_holding_an_earlier_run_is_refused_and_nothing_i
 ):
     out = tmp_path / "out"
     earlier = {  # an earlier run's checkpoints and outputs (or files of the user's own)
-        "checkpoints/step-00000200/state.pt": b"200", "checkpoints/step-00000322/state.pt": b"322",
-        "summary.json": b"{}", "model.pt": b"mine", "metrics.csv": b"epoch\n1\n",
-    }  # fmt: skip
+        "checkpoints/step-00000200/state.pt": b"200",
+        "checkpoints/step-00000322/state.pt": b"322",
+        "summary.json": b"{}",
+        "model.pt": b"mine",
+        "metrics.csv": b"epoch\n1\n",
+    }
     for name, data in earlier.items():
         (out / name).parent.mkdir(parents=True, exist_ok=True)
         (out / name).write_bytes(data)
-    argv = ["train", "--dataset", "digits", "--nproc", "1", "--epochs", "1", "--max-steps", "2",
-            "--output-dir", str(out), "--progress", "off"]  # fmt: skip
+    argv = [
+        "train",
+        "--dataset",
+        "digits",
+        "--nproc",
+        "1",
+        "--epochs",
+        "1",
+        "--max-steps",
+        "2",
+        "--output-dir",
+        str(out),
+        "--progress",
+        "off",
+    ]
     code, err = run_main(argv, capsys)
     assert code == 2 and len(err.strip().splitlines()) == 1, err
     assert (
@@ -248,8 +270,23 @@ def test_what_the_workers_would_refuse_is_refused_before_they_start(tmp_path, ca
 
 def test_resume_auto_with_every_checkpoint_unreadable_keeps_them_aside(tmp_path, capsys):
     out = tmp_path / "out"
-    argv = ["train", "--dataset", "digits", "--nproc", "1", "--epochs", "1", "--max-steps", "4",
-            "--checkpoint-every", "2", "--output-dir", str(out), "--progress", "off"]  # fmt: skip
+    argv = [
+        "train",
+        "--dataset",
+        "digits",
+        "--nproc",
+        "1",
+        "--epochs",
+        "1",
+        "--max-steps",
+        "4",
+        "--checkpoint-every",
+        "2",
+        "--output-dir",
+        str(out),
+        "--progress",
+        "off",
+    ]
     assert run_main(argv, capsys)[0] == 0
     torn = {}
     for folder in sorted((out / "checkpoints").glob("step-*")):
@@ -264,13 +301,29 @@ def test_resume_auto_with_every_checkpoint_unreadable_keeps_them_aside(tmp_path,
     assert json.loads((out / "summary.json").read_text())["final_step"] == 4
 
 
-def test_a_one_process_run_that_fails_names_its_newest_checkpoint_and_the_resume(
-    tmp_path, capsys
-):
+def test_a_one_process_run_that_fails_names_its_newest_checkpoint_and_the_resume(tmp_path, capsys):
     out = tmp_path / "out"
-    argv = ["train", "--dataset", "digits", "--nproc", "1", "--epochs", "1", "--optimizer",
-            "sgd", "--lr", "1e9", "--on-nonfinite", "raise", "--checkpoint-every", "1",
-            "--output-dir", str(out), "--progress", "off"]  # fmt: skip
+    argv = [
+        "train",
+        "--dataset",
+        "digits",
+        "--nproc",
+        "1",
+        "--epochs",
+        "1",
+        "--optimizer",
+        "sgd",
+        "--lr",
+        "1e9",
+        "--on-nonfinite",
+        "raise",
+        "--checkpoint-every",
+        "1",
+        "--output-dir",
+        str(out),
+        "--progress",
+        "off",
+    ]
     code, err = run_main(argv, capsys)
     assert code == 1 and len(err.strip().splitlines()) == 1, err  # no launcher: this line
     newest = sorted((out / "checkpoints").glob("step-*"))[-1]

@@ -40,10 +40,27 @@ def _print_config(capsys, tmp_path, *argv: str) -> TrainConfig:
 def test_file_values_apply_and_flags_override_them(tmp_path, capsys):
     path = tmp_path / "run.toml"
     path.write_text(FILE)
-    config = _print_config(capsys, tmp_path, "--config", str(path), "--grad-accum", "1",
-                           "--step-timing", "on", "--batch-size", "16")  # fmt: skip
-    expected = TrainConfig(epochs=3, lr=0.01, seed=5, grad_accum=1, precision="bf16-mixed",
-                           step_timing=True, batch_size=16)  # fmt: skip
+    config = _print_config(
+        capsys,
+        tmp_path,
+        "--config",
+        str(path),
+        "--grad-accum",
+        "1",
+        "--step-timing",
+        "on",
+        "--batch-size",
+        "16",
+    )
+    expected = TrainConfig(
+        epochs=3,
+        lr=0.01,
+        seed=5,
+        grad_accum=1,
+        precision="bf16-mixed",
+        step_timing=True,
+        batch_size=16,
+    )
     assert config == expected
     # a flag given with the default's value still wins over the file
     assert _print_config(capsys, tmp_path, "--config", str(path), "--epochs", "1").epochs == 1

@@ -51,8 +51,11 @@ def test_train_flags_match_the_snapshot():
     frozen = json.loads(SNAPSHOT.read_text())
     added = sorted(set(table) - set(frozen))
     removed = sorted(set(frozen) - set(table))
-    changed = {flag: (frozen[flag], table[flag]) for flag in set(table) & set(frozen)
-               if frozen[flag] != json.loads(json.dumps(table[flag]))}  # fmt: skip
+    changed = {
+        flag: (frozen[flag], table[flag])
+        for flag in set(table) & set(frozen)
+        if frozen[flag] != json.loads(json.dumps(table[flag]))
+    }
     assert not (added or removed or changed), (
         f"the flags of `ddpkit train` changed: added {added}, removed {removed}, changed "
         f"(snapshot, now) {changed}. Users type these flags: keep them, or, if the change is "
@@ -67,6 +70,14 @@ def test_help_groups_the_flags_by_section(capsys):
     text = capsys.readouterr().out
     titles = [line for line in text.splitlines() if line.endswith("in --config):")]
     assert [t.rsplit("[", 1)[1].split("]")[0] for t in titles] == [
-        "run", "data", "launch", "runtime", "wrap", "step", "guards", "checkpoint", "observe",
-    ]  # fmt: skip
+        "run",
+        "data",
+        "launch",
+        "runtime",
+        "wrap",
+        "step",
+        "guards",
+        "checkpoint",
+        "observe",
+    ]
     assert "%" not in text.replace("%%", "")  # no measured figure left in the help

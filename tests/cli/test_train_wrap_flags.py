@@ -128,10 +128,22 @@ def test_local_sgd_job_reports_averaging_bytes_per_step(tmp_path):
     out = tmp_path / "run"
     flags = ["--max-steps", "8", "--sync-every", "4", "--check-replicas-every", "4"]
     result = run_cli(
-        ["-m", "ddpkit", "train", "--dataset", "digits", "--nproc", "2", "--epochs", "1",
-         "--output-dir", str(out), *flags],
+        [
+            "-m",
+            "ddpkit",
+            "train",
+            "--dataset",
+            "digits",
+            "--nproc",
+            "2",
+            "--epochs",
+            "1",
+            "--output-dir",
+            str(out),
+            *flags,
+        ],
         timeout_s=180,
-    )  # fmt: skip
+    )
     assert result.returncode == 0, result.output
     assert "local SGD averaging every 4 steps" in result.stdout
     param_bytes = sum(p.numel() * p.element_size() for p in DigitsCNN().parameters())

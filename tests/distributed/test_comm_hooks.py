@@ -34,9 +34,15 @@ def _batch(rank: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
 def _train(runtime, compression: str, **kwargs) -> dict:
     stats = CommStats()
     model = ddpkit.wrap_model(
-        _net(), runtime, strategy="ddp", grad_compression=compression, comm_stats=stats,
-        powersgd_rank=POWERSGD_RANK, powersgd_start_step=POWERSGD_START, **kwargs,
-    )  # fmt: skip
+        _net(),
+        runtime,
+        strategy="ddp",
+        grad_compression=compression,
+        comm_stats=stats,
+        powersgd_rank=POWERSGD_RANK,
+        powersgd_start_step=POWERSGD_START,
+        **kwargs,
+    )
     optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
     bytes_per_step, grads = [], []
     for step in range(1, NUM_STEPS + 1):
@@ -149,9 +155,13 @@ def _powersgd_buckets(runtime) -> dict:
     for name in ("none", "powersgd"):
         stats = CommStats()
         model = ddpkit.wrap_model(
-            _big_net(), runtime, strategy="ddp", grad_compression=name, comm_stats=stats,
+            _big_net(),
+            runtime,
+            strategy="ddp",
+            grad_compression=name,
+            comm_stats=stats,
             powersgd_start_step=2,
-        )  # fmt: skip
+        )
         optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
         for step in range(1, 5):  # two plain steps, then two compressed ones
             optimizer.zero_grad()

@@ -43,8 +43,10 @@ class BatchNormNet(nn.Module):
 
 def _batches(rank: int, num: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
     gen = torch.Generator().manual_seed(100 + rank)  # each rank its own data
-    return [(torch.randn(8, 8, generator=gen), torch.randint(0, 4, (8,), generator=gen))
-            for _ in range(num)]  # fmt: skip
+    return [
+        (torch.randn(8, 8, generator=gen), torch.randint(0, 4, (8,), generator=gen))
+        for _ in range(num)
+    ]
 
 
 def _local_gradients(state, bucket):
@@ -262,8 +264,9 @@ def _save_and_resume(rt, directory: str, save_compiled: bool, load_compiled: boo
     for a, b in zip(resumed.windows(more), going_on.windows(more), strict=True):
         resumed(a)
         going_on(b)
-    after = [torch.equal(a, b) for a, b in zip(source.parameters(), target.parameters(),
-                                                strict=True)]  # fmt: skip
+    after = [
+        torch.equal(a, b) for a, b in zip(source.parameters(), target.parameters(), strict=True)
+    ]
     return {"keys": keys, "same": all(same), "after": all(after)}
 
 

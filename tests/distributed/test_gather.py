@@ -22,8 +22,9 @@ def _gather_all(runtime) -> dict:
     tensors = {str(d): ddpkit.all_gather(_rows(runtime.rank, d), runtime) for d in DTYPES}
     scalar = ddpkit.all_gather(torch.tensor(runtime.rank * 1.5), runtime)
     empty = ddpkit.all_gather(torch.zeros(0, 4), runtime)
-    objects = ddpkit.all_gather_object({"rank": runtime.rank, "ids": list(range(runtime.rank))},
-                                       runtime)  # fmt: skip
+    objects = ddpkit.all_gather_object(
+        {"rank": runtime.rank, "ids": list(range(runtime.rank))}, runtime
+    )
     return {"tensors": tensors, "scalar": scalar, "empty": empty, "objects": objects}
 
 

@@ -49,11 +49,13 @@ class _Recorded(Dataset):
 
 
 def _snapshot(optimizer, schedule, scaler) -> dict:
-    return copy.deepcopy({
-        "optimizer": optimizer.state_dict(),
-        "scheduler": schedule.state_dict(),
-        "scaler": scaler.state_dict() if scaler is not None else None,
-    })  # fmt: skip
+    return copy.deepcopy(
+        {
+            "optimizer": optimizer.state_dict(),
+            "scheduler": schedule.state_dict(),
+            "scaler": scaler.state_dict() if scaler is not None else None,
+        }
+    )
 
 
 def _train(rt, directory, batch_size, micro_steps, precision, stop_after=None, resume=False):
@@ -66,22 +68,34 @@ def _train(rt, directory, batch_size, micro_steps, precision, stop_after=None, r
     schedule = torch.optim.lr_scheduler.OneCycleLR(optimizer, 3e-2, total_steps=TOTAL_STEPS)
     precision = ddpkit.MixedPrecision(precision, rt, init_scale=256.0, growth_interval=2)
     loader = ddpkit.build_train_loader(data, rt, batch_size=batch_size, seed=3)
-    state = {"model": model, "optimizer": optimizer, "scheduler": schedule,
-             "scaler": precision.scaler, "loader": loader}  # fmt: skip
+    state = {
+        "model": model,
+        "optimizer": optimizer,
+        "scheduler": schedule,
+        "scaler": precision.scaler,
+        "loader": loader,
+    }
     ckpt = ddpkit.CheckpointManager(directory, rt, state=state)
     step = ckpt.resume() if resume else 0
     out = {"resumed_at": step, "steps": []}
     if resume:
         out["after_resume"] = _snapshot(optimizer, schedule, precision.scaler)
-    train_step = ddpkit.TrainStep(model, optimizer, runtime=rt, num_micro_steps=micro_steps,
-                                  precision=precision, start_step=step)  # fmt: skip
+    train_step = ddpkit.TrainStep(
+        model,
+        optimizer,
+        runtime=rt,
+        num_micro_steps=micro_steps,
+        precision=precision,
+        start_step=step,
+    )
     while loader.epoch < EPOCHS:
         for result in ddpkit.train_epoch(train_step, loader):
             if not result.skipped:
                 schedule.step()
             indices, data.seen = data.seen, []
-            out["steps"].append((result.step, sum(result.loss_sums), result.num_samples_global,
-                                 indices))  # fmt: skip
+            out["steps"].append(
+                (result.step, sum(result.loss_sums), result.num_samples_global, indices)
+            )
             if result.step == stop_after:
                 ckpt.save(result.step)
                 out["saved"] = _snapshot(optimizer, schedule, precision.scaler)
@@ -164,8 +178,10 @@ def test_resume_on_another_world_size_sees_every_sample_once(tmp_path, name, pre
     # the losses: the uninterrupted run's, within float reduction order
     diff = {s: abs(after[s][0] - reference[s][0]) for s in after}
     rel = max(diff[s] / abs(reference[s][0]) for s in after)
-    print(f"{name} {precision}: loss vs uninterrupted: max abs {max(diff.values()):.3g}, "
-          f"max rel {rel:.3g}")  # fmt: skip
+    print(
+        f"{name} {precision}: loss vs uninterrupted: max abs {max(diff.values()):.3g}, "
+        f"max rel {rel:.3g}"
+    )
     assert rel <= LOSS_RTOL[precision], f"{name}: largest relative loss difference {rel:.3g}"
 
 

@@ -342,9 +342,12 @@ def test_a_weighted_position_does_not_resume_a_plain_shuffle_nor_the_reverse():
         states[name] = loader.state_dict()
         assert states[name]["samples_done"] == 4
     plain = ddpkit.build_train_loader(data, _single(), batch_size=4)
-    with pytest.raises(ddpkit.ConfigError, match="loader state of another sampler: this loader "
-                       "draws a shuffle of the dataset; the state was written by one drawing "
-                       "weights"):  # fmt: skip
+    with pytest.raises(
+        ddpkit.ConfigError,
+        match="loader state of another sampler: this loader "
+        "draws a shuffle of the dataset; the state was written by one drawing "
+        "weights",
+    ):
         plain.load_state_dict(states["weighted"])
     again = ddpkit.build_train_loader(data, _single(), batch_size=4, sampler=weighted)
     with pytest.raises(ddpkit.ConfigError, match="loader state of another sampler"):

@@ -57,11 +57,13 @@ def _full_optimizer(model, optimizer, strategy: str, rt):
 
 def _snapshot(model, optimizer, strategy: str, rt) -> dict:
     """Copies (training goes on in place) of rank 0's full model and optimizer state."""
-    return copy.deepcopy({
-        "model": ddpkit.model_state_dict(model),
-        "optimizer": _full_optimizer(model, optimizer, strategy, rt),
-        "lr": optimizer.param_groups[0]["lr"],
-    })  # fmt: skip
+    return copy.deepcopy(
+        {
+            "model": ddpkit.model_state_dict(model),
+            "optimizer": _full_optimizer(model, optimizer, strategy, rt),
+            "lr": optimizer.param_groups[0]["lr"],
+        }
+    )
 
 
 def _run(rt, strategy: str, directory: str, stop_after: int | None, resume: bool) -> dict:
@@ -77,8 +79,9 @@ def _run(rt, strategy: str, directory: str, stop_after: int | None, resume: bool
     else:
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
     schedule = torch.optim.lr_scheduler.StepLR(optimizer, step_size=2, gamma=0.7)
-    loader = ddpkit.build_train_loader(_dataset(), rt, batch_size=GLOBAL_BATCH // rt.world_size,
-                                       seed=3)  # fmt: skip
+    loader = ddpkit.build_train_loader(
+        _dataset(), rt, batch_size=GLOBAL_BATCH // rt.world_size, seed=3
+    )
     state = {"model": model, "optimizer": optimizer, "scheduler": schedule, "loader": loader}
     ckpt = ddpkit.CheckpointManager(directory, rt, state=state, keep_last=2)
     step = ckpt.resume() if resume else 0
@@ -123,8 +126,10 @@ def test_resume_mid_epoch_is_bitwise_and_every_rank_wrote_its_shard(tmp_path, st
     names = sorted(p.name for p in (folder / "dcp").iterdir())
     assert names == [".metadata", "__0_0.distcp", "__1_0.distcp"]  # one file per rank
     assert set(manifest["files"]) == {"state.pt", *(f"dcp/{n}" for n in names)}
-    layout = {"fsdp": {"model": "fsdp_model", "optimizer": "fsdp_optimizer"},
-              "zero1": {"optimizer": "zero_optimizer"}}[strategy]  # fmt: skip
+    layout = {
+        "fsdp": {"model": "fsdp_model", "optimizer": "fsdp_optimizer"},
+        "zero1": {"optimizer": "zero_optimizer"},
+    }[strategy]
     assert manifest["sharded"] == layout
     assert not [p for p in (tmp_path / "run").iterdir() if p.name.startswith(".tmp")]
     resumed = run_distributed(_run, 2, args=(strategy, run, None, True), timeout_s=120)
@@ -138,8 +143,9 @@ def test_resume_mid_epoch_is_bitwise_and_every_rank_wrote_its_shard(tmp_path, st
 
 def _resize(tmp_path, strategy: str, before: int, after: int) -> float:
     directory = str(tmp_path / f"{strategy}-{before}-{after}")
-    reference = run_distributed(_run, before, args=(strategy, directory + "-ref", None, False),
-                                timeout_s=150)  # fmt: skip
+    reference = run_distributed(
+        _run, before, args=(strategy, directory + "-ref", None, False), timeout_s=150
+    )
     first = run_distributed(_run, before, args=(strategy, directory, STOP, False), timeout_s=150)
     resumed = run_distributed(_run, after, args=(strategy, directory, None, True), timeout_s=150)
     assert resumed[0]["resumed_at"] == STOP
@@ -213,8 +219,9 @@ def _peer_lost_mid_save(rt, directory: str, async_save: bool) -> None:
 
     model = ddpkit.wrap_model(_net(), rt, strategy="fsdp")
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    ckpt = ddpkit.CheckpointManager(directory, rt, state={"model": model, "optimizer": optimizer},
-                                    async_save=async_save)  # fmt: skip
+    ckpt = ddpkit.CheckpointManager(
+        directory, rt, state={"model": model, "optimizer": optimizer}, async_save=async_save
+    )
     ckpt.save(1)
     ckpt.wait()
 
@@ -234,8 +241,9 @@ def _peer_lost_mid_save(rt, directory: str, async_save: bool) -> None:
 @pytest.mark.parametrize("async_save", [False, True])
 def test_a_peer_lost_mid_save_leaves_no_temporary_folder(tmp_path, async_save):
     with pytest.raises(DistributedTestError, match="rank 0 raised"):
-        run_distributed(_peer_lost_mid_save, 2, args=(str(tmp_path), async_save),
-                        timeout_s=90, pg_timeout_s=5)  # fmt: skip
+        run_distributed(
+            _peer_lost_mid_save, 2, args=(str(tmp_path), async_save), timeout_s=90, pg_timeout_s=5
+        )
     left = sorted(p.name for p in tmp_path.iterdir() if p.name != LOCK_NAME)  # the job's lock
     assert left == ["step-00000001"]  # no .tmp- left
 
@@ -243,20 +251,25 @@ def test_a_peer_lost_mid_save_leaves_no_temporary_folder(tmp_path, async_save):
 @pytest.mark.slow
 def test_export_gives_a_plain_state_dict_file(tmp_path):
     saved = {
-        "fsdp": run_distributed(_run, 2, args=("fsdp", str(tmp_path / "fsdp"), STOP, False),
-                                timeout_s=120)[0]["model"],
-        "zero1": run_distributed(_run, 3, args=("zero1", str(tmp_path / "zero1"), STOP, False),
-                                 timeout_s=120)[0]["model"],
-    }  # fmt: skip
+        "fsdp": run_distributed(
+            _run, 2, args=("fsdp", str(tmp_path / "fsdp"), STOP, False), timeout_s=120
+        )[0]["model"],
+        "zero1": run_distributed(
+            _run, 3, args=("zero1", str(tmp_path / "zero1"), STOP, False), timeout_s=120
+        )[0]["model"],
+    }
     for strategy in ("fsdp", "zero1"):
         out = tmp_path / f"{strategy}.pt"
-        done = run_cli(["-m", "ddpkit", "checkpoint", "export", str(tmp_path / strategy),
-                        "--output", str(out)])  # fmt: skip
+        done = run_cli(
+            ["-m", "ddpkit", "checkpoint", "export", str(tmp_path / strategy), "--output", str(out)]
+        )
         assert done.returncode == 0, done.output
         assert done.stderr == ""  # torch's no-process-group warning is for an accidental load
         source = "dcp" if strategy == "fsdp" else "state.pt"
-        assert f"exported state['model'] of {tmp_path / strategy / 'step-00000003'} ({source})" \
-            in done.stdout  # fmt: skip
+        assert (
+            f"exported state['model'] of {tmp_path / strategy / 'step-00000003'} ({source})"
+            in done.stdout
+        )
         net = _net()
         net.load_state_dict(torch.load(out, weights_only=True))  # strict: every key, no prefix
         assert _same(net.state_dict(), saved[strategy])
@@ -264,8 +277,17 @@ def test_export_gives_a_plain_state_dict_file(tmp_path):
     assert exported["0.weight"].shape == (33, 8)
     shard = tmp_path / "fsdp" / "step-00000003" / "dcp" / "__0_0.distcp"
     shard.write_bytes(b"x" + shard.read_bytes()[1:])
-    bad = run_cli(["-m", "ddpkit", "checkpoint", "export", str(shard.parent.parent),
-                   "--output", str(tmp_path / "x.pt")])  # fmt: skip
+    bad = run_cli(
+        [
+            "-m",
+            "ddpkit",
+            "checkpoint",
+            "export",
+            str(shard.parent.parent),
+            "--output",
+            str(tmp_path / "x.pt"),
+        ]
+    )
     assert bad.returncode == 2
     assert bad.stderr.startswith("ddpkit checkpoint: error: corrupt checkpoint: path=")
     assert len(bad.stderr.strip().splitlines()) == 1 and not (tmp_path / "x.pt").exists()
@@ -276,8 +298,9 @@ def _async_run(rt, directory: str) -> dict:
     model = ddpkit.wrap_model(_net(), rt, strategy="fsdp")
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
     schedule = torch.optim.lr_scheduler.StepLR(optimizer, step_size=2, gamma=0.7)
-    loader = ddpkit.build_train_loader(_dataset(), rt, batch_size=GLOBAL_BATCH // rt.world_size,
-                                       seed=3)  # fmt: skip
+    loader = ddpkit.build_train_loader(
+        _dataset(), rt, batch_size=GLOBAL_BATCH // rt.world_size, seed=3
+    )
     state = {"model": model, "optimizer": optimizer, "scheduler": schedule, "loader": loader}
     ckpt = ddpkit.CheckpointManager(directory, rt, state=state, async_save=True)
     train_step = ddpkit.TrainStep(model, optimizer, runtime=rt)
@@ -298,14 +321,16 @@ def _async_run(rt, directory: str) -> dict:
 
 @pytest.mark.slow
 def test_async_save_commits_at_wait_and_resumes_bitwise(tmp_path):
-    reference = run_distributed(_run, 2, args=("fsdp", str(tmp_path / "ref"), None, False),
-                                timeout_s=120)  # fmt: skip
+    reference = run_distributed(
+        _run, 2, args=("fsdp", str(tmp_path / "ref"), None, False), timeout_s=120
+    )
     saved = run_distributed(_async_run, 2, args=(str(tmp_path / "run"),), timeout_s=120)
     assert saved[0]["folder_before_wait"] is False  # never a step- folder before the commit
     assert saved[0]["folder_after_wait"] is True and saved[0]["wait_again"] is None
     assert saved[0]["committed"] == str(tmp_path / "run" / f"step-{STOP:08d}")
-    resumed = run_distributed(_run, 2, args=("fsdp", str(tmp_path / "run"), None, True),
-                              timeout_s=120)  # fmt: skip
+    resumed = run_distributed(
+        _run, 2, args=("fsdp", str(tmp_path / "run"), None, True), timeout_s=120
+    )
     assert resumed[0]["resumed_at"] == STOP
     assert _same(resumed[0]["model"], saved[0]["model"])  # as at save time, not 2 steps later
     assert _same(resumed[0]["optimizer"], saved[0]["optimizer"])

@@ -176,8 +176,9 @@ def _guards_rank(runtime: Runtime) -> dict:
     out: dict = {}
     model = ddpkit.wrap_model(_net(), runtime, strategy="fsdp")
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-    data = TensorDataset(torch.randn(5, 6, generator=torch.Generator().manual_seed(3)),
-                         torch.tensor([0, 1, 2, 0, 1]))  # fmt: skip
+    data = TensorDataset(
+        torch.randn(5, 6, generator=torch.Generator().manual_seed(3)), torch.tensor([0, 1, 2, 0, 1])
+    )
     test = ddpkit.build_eval_loader(data, runtime, batch_size=1)  # 5 samples: uneven shards
     out["eval_before"] = ddpkit.evaluate(model, test, runtime)  # before any training forward
     out["full_before"] = ddpkit.model_state_dict(model)
@@ -229,8 +230,9 @@ def _buffer_checks(runtime: Runtime) -> dict:
 def _evaluate_full(state: dict) -> dict:
     net = _net()
     net.load_state_dict(state)
-    data = TensorDataset(torch.randn(5, 6, generator=torch.Generator().manual_seed(3)),
-                         torch.tensor([0, 1, 2, 0, 1]))  # fmt: skip
+    data = TensorDataset(
+        torch.randn(5, 6, generator=torch.Generator().manual_seed(3)), torch.tensor([0, 1, 2, 0, 1])
+    )
     rt = Runtime(ProcessInfo())
     return ddpkit.evaluate(net, ddpkit.build_eval_loader(data, rt, batch_size=5), rt)
 
@@ -279,18 +281,27 @@ def _refusals_rank(runtime: Runtime) -> list[str]:
     refused(lambda: ddpkit.wrap_model(_net(), runtime, strategy="ddp", precision="bf16-mixed"))
     refused(lambda: ddpkit.wrap_model(_net(), runtime, strategy="fsdp", precision="16-mixed"))
     refused(lambda: ddpkit.wrap_model(_net(), runtime, strategy="fsdp", wrap_policy=3))
-    refused(lambda: ddpkit.enable_local_sgd(fsdp, sgd(fsdp.parameters(), lr=0.1),
-                                            runtime=runtime, sync_every=2))  # fmt: skip
-    refused(lambda: ddpkit.enable_local_sgd(zero, _optimizer(zero, runtime, "zero1"),
-                                            runtime=runtime, sync_every=2))  # fmt: skip
+    refused(
+        lambda: ddpkit.enable_local_sgd(
+            fsdp, sgd(fsdp.parameters(), lr=0.1), runtime=runtime, sync_every=2
+        )
+    )
+    refused(
+        lambda: ddpkit.enable_local_sgd(
+            zero, _optimizer(zero, runtime, "zero1"), runtime=runtime, sync_every=2
+        )
+    )
     refused(lambda: ddpkit.TrainStep(zero, sgd(zero.parameters(), lr=0.1), runtime=runtime))
     plain = _net()
     early = sgd(plain.parameters(), lr=0.1)  # built before wrapping: not the shards
     late = ddpkit.wrap_model(plain, runtime, strategy="fsdp")
     refused(lambda: ddpkit.TrainStep(late, early, runtime=runtime))
     fp16 = ddpkit.MixedPrecision("16-mixed", runtime)
-    refused(lambda: ddpkit.TrainStep(fsdp, sgd(fsdp.parameters(), lr=0.1), runtime=runtime,
-                                     precision=fp16))  # fmt: skip
+    refused(
+        lambda: ddpkit.TrainStep(
+            fsdp, sgd(fsdp.parameters(), lr=0.1), runtime=runtime, precision=fp16
+        )
+    )
     return found
 
 
@@ -324,8 +335,9 @@ def test_sharded_strategies_need_a_process_group_and_options_are_checked_at_worl
         ddpkit.wrap_model(_net(), rt, strategy="auto", reshard_after_forward=False)
     with pytest.raises(ddpkit.ConfigError, match="DDP options grad_compression='bf16' given"):
         ddpkit.wrap_model(_net(), rt, strategy="fsdp", grad_compression="bf16")
-    opt = ddpkit.build_zero_optimizer(_net().parameters(), rt, optimizer_class=torch.optim.SGD,
-                                      lr=0.1)  # fmt: skip
+    opt = ddpkit.build_zero_optimizer(
+        _net().parameters(), rt, optimizer_class=torch.optim.SGD, lr=0.1
+    )
     assert type(opt) is torch.optim.SGD  # nothing to shard on one process
 
 
@@ -365,7 +377,14 @@ def test_wrap_policies_pick_the_blocks():
     results = run_distributed(_policy_rank, 2, timeout_s=90)
     default, linear, blocks, mixed = results[0]
     assert default == ["<root>", "layers.0", "layers.1"]  # the ModuleList's elements
-    assert linear == ["<root>", "embed", "layers.0.mlp.0", "layers.0.mlp.2", "layers.1.mlp.0",
-                      "layers.1.mlp.2", "head"]  # fmt: skip
+    assert linear == [
+        "<root>",
+        "embed",
+        "layers.0.mlp.0",
+        "layers.0.mlp.2",
+        "layers.1.mlp.0",
+        "layers.1.mlp.2",
+        "head",
+    ]
     assert blocks == ["<root>", "layers.0", "layers.1"]
     assert mixed == ["<root>", "embed", "layers.0", "layers.1", "head"]  # outermost match wins

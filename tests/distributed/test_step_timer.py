@@ -80,9 +80,15 @@ def _epoch(runtime: Runtime, net: nn.Module, data_sleep_s: float, k: int, timed:
         summary = timer.epoch_summary(runtime)
     finally:
         dist.all_reduce = real_all_reduce
-    return {"params": params, "summary": summary, "local": local, "num_steps": num_steps,
-            "num_samples": num_samples, "num_collectives": len(calls),
-            "own_peak_mb": ddpkit.peak_memory_mb(runtime.device)}  # fmt: skip
+    return {
+        "params": params,
+        "summary": summary,
+        "local": local,
+        "num_steps": num_steps,
+        "num_samples": num_samples,
+        "num_collectives": len(calls),
+        "own_peak_mb": ddpkit.peak_memory_mb(runtime.device),
+    }
 
 
 def _phase_cases(runtime: Runtime) -> dict:
@@ -105,8 +111,9 @@ def test_each_phase_gets_its_time_also_with_accumulation():
         assert all(data["local"][p] < data["local"]["data_wait"] for p in PHASES[1:]), data
         forward = cases["slow_forward"]
         assert forward["local"]["forward"] >= MODEL_SLEEP_S * num_batches, (rank, forward)
-        assert all(forward["local"][p] < forward["local"]["forward"] for p in PHASES if
-                   p != "forward"), forward  # fmt: skip
+        assert all(
+            forward["local"][p] < forward["local"]["forward"] for p in PHASES if p != "forward"
+        ), forward
         # K = 2: 4 micro-steps make 2 optimizer steps; forward/backward cover all 4
         for name, phase in (("slow_forward_k2", "forward"), ("slow_backward_k2", "backward_comm")):
             case = cases[name]

@@ -193,8 +193,13 @@ def _uneven_join(runtime: Runtime) -> dict:
     windows_after = detector.num_windows
     with ddpkit.join_uneven_inputs(model, runtime):  # the own-loop form of the same
         bare = [step(window) for window in step.windows(batches)]
-    return {"steps": len(results), "windows": windows_after, "after": len(after),
-            "bare": len(bare), "windows_bare": detector.num_windows}  # fmt: skip
+    return {
+        "steps": len(results),
+        "windows": windows_after,
+        "after": len(after),
+        "bare": len(bare),
+        "windows_bare": detector.num_windows,
+    }
 
 
 def test_join_pauses_the_exchange_so_uneven_ranks_do_not_hang():
@@ -274,8 +279,12 @@ def _own_loop_cases(runtime: Runtime, folder: str) -> dict:
 
 def test_an_own_loop_gets_its_straggler_named_through_maybe_save(tmp_path):
     results = run_distributed(_own_loop_cases, 2, args=(str(tmp_path),), timeout_s=180)
-    for case, expected in (("data", [(1, "data")]), ("forward", [(1, "compute")]), ("none", []),
-                           ("data_accumulated", [(1, "data")])):  # fmt: skip
+    for case, expected in (
+        ("data", [(1, "data")]),
+        ("forward", [(1, "compute")]),
+        ("none", []),
+        ("data_accumulated", [(1, "data")]),
+    ):
         summaries = [result[case]["summary"] for result in results]
         assert summaries[0] == summaries[1], case
         assert _named(summaries[0]) == expected, (case, summaries[0])

@@ -171,7 +171,7 @@ def test_a_skipped_nonfinite_step_leaves_parameters_unchanged_on_every_rank(skip
             skip_results[0]["nonfinite"]["params"],
             skip_results[1]["nonfinite"]["params"],
             strict=True,
-        )  # fmt: skip
+        )
     )
     # rank 1's loss is NaN at step 2; rank 0's is finite: each result reports its own rank
     rank0, rank1 = (r["nonfinite"]["results"][1] for r in skip_results)

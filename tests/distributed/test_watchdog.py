@@ -299,10 +299,12 @@ def test_ddpkit_evaluate_on_one_rank_only_is_a_named_deadlock(tmp_path):
     report = _report_of(tmp_path, _one_rank_evaluate, world_size=2)
     here = "tests/distributed/test_watchdog.py"
     alone, every = _line_of(_one_rank_evaluate, "ONLY"), _line_of(_one_rank_evaluate, "EVERY")
-    assert re.search(rf"rank 0: all_reduce .*in ddpkit's evaluate\(\), called at {here}:{alone}",
-                     report), report  # fmt: skip
-    assert re.search(rf"rank 1: barrier .*in ddpkit's barrier\(\), called at {here}:{every}",
-                     report), report  # fmt: skip
+    assert re.search(
+        rf"rank 0: all_reduce .*in ddpkit's evaluate\(\), called at {here}:{alone}", report
+    ), report
+    assert re.search(
+        rf"rank 1: barrier .*in ddpkit's barrier\(\), called at {here}:{every}", report
+    ), report
 
 
 def _grad_enabled_validation(rt, use_no_grad: bool = False, samples: int = 5, norm=True):
@@ -472,9 +474,7 @@ def test_plain_torch_gives_the_same_validation_loop_only_a_timeout():
     from ddpkit.testing import DistributedTestError
 
     try:
-        results = run_distributed(
-            _plain_torch_grad_enabled_validation, 2, init=False, timeout_s=60
-        )
+        results = run_distributed(_plain_torch_grad_enabled_validation, 2, init=False, timeout_s=60)
     except DistributedTestError as exc:
         assert "timed out after 60 s" in str(exc), exc  # a hang, not a rank's error
         return

@@ -99,15 +99,21 @@ def _fault(runtime, case: str) -> str:
 @pytest.mark.parametrize(
     "case, expected",
     [
-        ("unfreeze", "requires_grad changed after wrap_model: unfrozen (never all-reduced; each "
-                     "rank would train them on its own gradients): a.weight."),
+        (
+            "unfreeze",
+            "requires_grad changed after wrap_model: unfrozen (never all-reduced; each "
+            "rank would train them on its own gradients): a.weight.",
+        ),
         ("freeze", "frozen (DDP still waits for their gradients): b.weight, b.bias."),
-        ("head", "model changed after wrap_model: replaced (new parameter objects DDP never "
-                 "saw): fc.weight, fc.bias. DDP all-reduces only"),
+        (
+            "head",
+            "model changed after wrap_model: replaced (new parameter objects DDP never "
+            "saw): fc.weight, fc.bias. DDP all-reduces only",
+        ),
         ("head_after_hint", "replaced (new parameter objects DDP never saw): fc.weight, fc.bias"),
         ("new_parameter", "model changed after wrap_model: added: scale."),
     ],
-)  # fmt: skip
+)
 def test_model_changed_after_wrapping_raises_at_the_next_step(case, expected):
     messages = run_distributed(_fault, world_size=2, args=(case,))
     for rank, message in enumerate(messages):
@@ -117,9 +123,10 @@ def test_model_changed_after_wrapping_raises_at_the_next_step(case, expected):
         assert "\n" not in message
 
 
-@pytest.mark.parametrize("case, step", [
-    ("bypass_module", 2), ("bypass_method", 2), ("bypass_unwrap", 2), ("bypass_first", 0)
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "case, step",
+    [("bypass_module", 2), ("bypass_method", 2), ("bypass_unwrap", 2), ("bypass_first", 0)],
+)
 def test_backward_around_the_wrapper_raises_in_that_backward(case, step):
     messages = run_distributed(_fault, world_size=2, args=(case,))
     for rank, message in enumerate(messages):

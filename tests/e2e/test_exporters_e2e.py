@@ -39,13 +39,21 @@ TRAIN = ["-m", "ddpkit", "train", "--nproc", "2", "--dataset", "digits", "--prog
 SCRAPED = ["--epochs", "3", "--batch-size", "4", "--lr", "0.01", "--straggler-window", "5"]
 URL_LINE = re.compile(r"^Prometheus metrics of every rank at (http://127\.0\.0\.1:(\d+)/metrics)$")
 DDPKIT_LINES = (  # every line ddpkit train prints on stdout in this run; anything else is not
-    "Prometheus metrics of every rank at ", "experiment tracking to mlflow: ", "training digits ",
-    "gradient sync: ", "straggler cleared: ", "epoch ", "goodput ", "wrote ",
-)  # fmt: skip
+    "Prometheus metrics of every rank at ",
+    "experiment tracking to mlflow: ",
+    "training digits ",
+    "gradient sync: ",
+    "straggler cleared: ",
+    "epoch ",
+    "goodput ",
+    "wrote ",
+)
 PER_RANK = (
-    "ddpkit_step", "ddpkit_samples_per_second", "ddpkit_last_step_timestamp_seconds",
+    "ddpkit_step",
+    "ddpkit_samples_per_second",
+    "ddpkit_last_step_timestamp_seconds",
     *(f"ddpkit_step_phase_seconds/{phase}" for phase in PHASES),
-)  # fmt: skip
+)
 
 
 def _environment(tmp: Path) -> dict[str, str]:
@@ -67,9 +75,12 @@ class Job:
         self._stdout = open(out.parent / f"{out.name}.stdout", "w+")  # noqa: SIM115
         self._stderr = open(out.parent / f"{out.name}.stderr", "w+")  # noqa: SIM115
         self.proc = subprocess.Popen(
-            [sys.executable, *TRAIN, *flags, "--output-dir", str(out)], stdout=self._stdout,
-            stderr=self._stderr, env=_environment(out.parent), start_new_session=True,
-        )  # fmt: skip
+            [sys.executable, *TRAIN, *flags, "--output-dir", str(out)],
+            stdout=self._stdout,
+            stderr=self._stderr,
+            env=_environment(out.parent),
+            start_new_session=True,
+        )
         self.started = {self.proc.pid}
 
     def poll_until(self, condition, what: str, timeout_s: float = 120):
@@ -214,8 +225,11 @@ def test_the_endpoint_shows_every_ranks_progress_while_it_trains_on_loopback_onl
     if run.elsewhere is not None:
         assert run.elsewhere[1], f"the endpoint answered on {run.elsewhere[0]}"
     seen = [(at, per_rank(found), found) for at, found in run.scrapes]
-    whole = [ranks for _, ranks, _ in seen if set(ranks) == {"0", "1"}
-             and all(m in r for r in ranks.values() for m in PER_RANK)]  # fmt: skip
+    whole = [
+        ranks
+        for _, ranks, _ in seen
+        if set(ranks) == {"0", "1"} and all(m in r for r in ranks.values() for m in PER_RANK)
+    ]
     assert whole, f"no scrape of {len(seen)} showed both ranks' figures"
     for ranks in whole:
         for rank in ranks.values():
@@ -238,8 +252,11 @@ def test_the_endpoint_shows_every_ranks_progress_while_it_trains_on_loopback_onl
 def _check_goodput(seen: list, epoch_1_step: int) -> None:
     """NaN while rank 0 is inside epoch 1; a ratio once it stepped past it (rank 0 sets the
     goodput at epoch 1's end, before its next step: no timing in this)."""
-    goodput = [(ranks["0"]["ddpkit_step"], found[("ddpkit_goodput_ratio", ())])
-               for _, ranks, found in seen if "0" in ranks]  # fmt: skip
+    goodput = [
+        (ranks["0"]["ddpkit_step"], found[("ddpkit_goodput_ratio", ())])
+        for _, ranks, found in seen
+        if "0" in ranks
+    ]
     assert all(math.isnan(ratio) for step, ratio in goodput if step < epoch_1_step), goodput
     later = [ratio for step, ratio in goodput if step > epoch_1_step]
     assert later, f"no scrape after epoch 1 (step {epoch_1_step}): {goodput[-3:]}"
@@ -305,8 +322,9 @@ def test_a_job_stopped_by_sigterm_ends_its_mlflow_run_as_killed(tmp_path):
     job = Job(["--epochs", "40", "--tracker", "mlflow"], out)
     try:
         metrics = out / "metrics.jsonl"
-        job.poll_until(lambda: metrics.exists() and metrics.read_text().endswith("\n"),
-                       "first epoch record")  # fmt: skip
+        job.poll_until(
+            lambda: metrics.exists() and metrics.read_text().endswith("\n"), "first epoch record"
+        )
         os.kill(job.proc.pid, signal.SIGTERM)  # the launcher: it passes the stop to the ranks
         code = job.finish()
     finally:

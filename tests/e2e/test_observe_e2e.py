@@ -56,11 +56,22 @@ def resumed_run(tmp_path_factory):
     # checkpoints at 8 and 16; rank 1 dies at step 23 after the step-20 record was written;
     # the restart resumes at 16 (mid epoch 2) and must drop that record and write it again
     result = run_cli(
-        [*DIGITS_2_RANKS, "--epochs", "2", "--log-every", "5", "--checkpoint-every", "8",
-         "--max-restarts", "1", "--output-dir", str(out)],
+        [
+            *DIGITS_2_RANKS,
+            "--epochs",
+            "2",
+            "--log-every",
+            "5",
+            "--checkpoint-every",
+            "8",
+            "--max-restarts",
+            "1",
+            "--output-dir",
+            str(out),
+        ],
         env={"DDPKIT_FAULT_INJECT": "1:23"},
         timeout_s=300,
-    )  # fmt: skip
+    )
     assert result.returncode == 0, result.output
     assert "step-00000016 (step 16)" in result.stdout, result.output
     return out, result
@@ -74,8 +85,10 @@ def test_resumed_run_keeps_records_once_in_jsonl_and_csv(resumed_run):
     assert [r["step"] for r in steps] == [5, 10, 15, 20]  # one per --log-every, none doubled
     assert [r["epoch"] for r in steps] == [1, 1, 2, 2]
     for record in epochs:
-        parts = [record[f"{p}_s_per_step"] for p in ("data_wait", "forward", "backward_comm",
-                                                     "optimizer")]  # fmt: skip
+        parts = [
+            record[f"{p}_s_per_step"]
+            for p in ("data_wait", "forward", "backward_comm", "optimizer")
+        ]
         assert all(v > 0 for v in parts[1:]) and parts[0] >= 0, record
         assert abs(sum(parts) - record["step_s_per_step"]) < 1e-9
         assert record["step_s_per_step"] < record["epoch_s"]
@@ -95,10 +108,19 @@ def test_tensorboard_has_the_scalars_once_per_step(resumed_run):
     events = EventAccumulator(str(out / "tensorboard"))
     events.Reload()
     tags = set(events.Tags()["scalars"])
-    expected = {"step/loss", "step/samples_per_s", "step/lr", "epoch/train_loss",
-                "epoch/test_accuracy", "epoch/samples_per_s", "epoch/peak_memory_mb",
-                "step_time/forward_s_per_step", "step_time/data_wait_s_per_step",
-                "step_time/backward_comm_s_per_step", "step_time/optimizer_s_per_step"}  # fmt: skip
+    expected = {
+        "step/loss",
+        "step/samples_per_s",
+        "step/lr",
+        "epoch/train_loss",
+        "epoch/test_accuracy",
+        "epoch/samples_per_s",
+        "epoch/peak_memory_mb",
+        "step_time/forward_s_per_step",
+        "step_time/data_wait_s_per_step",
+        "step_time/backward_comm_s_per_step",
+        "step_time/optimizer_s_per_step",
+    }
     assert expected <= tags, tags
     # the interrupted attempt's step-20 event is purged by the resumed writer
     assert [e.step for e in events.Scalars("step/loss")] == [5, 10, 15, 20]
@@ -125,8 +147,12 @@ def test_plot_refuses_bad_folders(tmp_path, capsys):
     (tmp_path / "bad").mkdir()
     (tmp_path / "bad" / "metrics.jsonl").write_text('{"epoch": 1,\n')
     (tmp_path / "nometrics").mkdir()
-    cases = {"missing": "no such output folder", "nometrics": "no epoch records",
-             "empty": "no epoch records", "bad": "cannot read"}  # fmt: skip
+    cases = {
+        "missing": "no such output folder",
+        "nometrics": "no epoch records",
+        "empty": "no epoch records",
+        "bad": "cannot read",
+    }
     for name, expected in cases.items():
         code, err = run_main(["plot", str(tmp_path / name)], capsys)
         assert code == 2 and expected in err and len(err.strip().splitlines()) == 1, err
@@ -140,8 +166,14 @@ def test_plot_refuses_bad_folders(tmp_path, capsys):
 def test_plot_into_an_unwritable_place_is_one_line_exit_2(tmp_path, capsys):
     run = tmp_path / "run"
     run.mkdir()
-    record = {"epoch": 1, "train_loss": 1.0, "test_loss": 0.9, "test_accuracy": 0.7,
-              "samples_per_s": 500.0, "step": 10}  # fmt: skip
+    record = {
+        "epoch": 1,
+        "train_loss": 1.0,
+        "test_loss": 0.9,
+        "test_accuracy": 0.7,
+        "samples_per_s": 500.0,
+        "step": 10,
+    }
     (run / "metrics.jsonl").write_text(json.dumps(record) + "\n")
     (tmp_path / "plots" / "loss.png").mkdir(parents=True)  # what a read-only file also gives
     code, err = run_main(["plot", str(run), "--out", str(tmp_path / "plots")], capsys)
@@ -156,8 +188,14 @@ def _run_in_pty(args: list[str], timeout_s: float) -> tuple[int, str]:
     # a fresh pty is 0 x 0: tqdm would draw a bar of no width; give it 40 rows x 120 columns
     fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", 40, 120, 0, 0))
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    proc = subprocess.Popen([sys.executable, *args], stdin=slave, stdout=slave, stderr=slave,
-                            env=env, start_new_session=True)  # fmt: skip
+    proc = subprocess.Popen(
+        [sys.executable, *args],
+        stdin=slave,
+        stdout=slave,
+        stderr=slave,
+        env=env,
+        start_new_session=True,
+    )
     os.close(slave)
     chunks, deadline = [], time.monotonic() + timeout_s
     try:
@@ -208,8 +246,9 @@ def test_progress_on_when_piped_and_off_on_a_terminal(tmp_path):
 
 
 def test_bad_observe_flags_exit_2(tmp_path, capsys):
-    code, err = run_main(["train", "--log-every", "-1", "--output-dir", str(tmp_path / "o")],
-                         capsys)  # fmt: skip
+    code, err = run_main(
+        ["train", "--log-every", "-1", "--output-dir", str(tmp_path / "o")], capsys
+    )
     assert code == 2 and "log_every=-1 must be >= 0" in err
     code, err = run_main(["train", "--progress", "maybe"], capsys)
     assert code == 2 and "argument --progress: invalid choice" in err

@@ -69,13 +69,15 @@ def test_readme_example_resumes_under_torchrun_on_another_number_of_ranks(tmp_pa
     """A checkpoint of 2 ranks resumed by ``torchrun --nproc-per-node 4`` with the same file."""
     (tmp_path / "train.py").write_text(readme_example())
     torchrun = ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node"]
-    first = run_cli([*torchrun, "2", "train.py"], env={"EPOCHS": "1"}, cwd=str(tmp_path),
-                    timeout_s=240)  # fmt: skip
+    first = run_cli(
+        [*torchrun, "2", "train.py"], env={"EPOCHS": "1"}, cwd=str(tmp_path), timeout_s=240
+    )
     assert first.returncode == 0, first.output
     per_epoch = SAMPLES // BATCH // 2  # 32 steps of 64 x 2; checkpoints at 20 (mid-epoch) only
     assert [(e, s) for e, s, _, _ in _epochs(first.output)] == [(0, per_epoch)], first.output
-    second = run_cli([*torchrun, "4", "train.py"], env={"EPOCHS": "2"}, cwd=str(tmp_path),
-                     timeout_s=240)  # fmt: skip
+    second = run_cli(
+        [*torchrun, "4", "train.py"], env={"EPOCHS": "2"}, cwd=str(tmp_path), timeout_s=240
+    )
     assert second.returncode == 0, second.output
     assert "(step 20) on 4 ranks, written by 2: the data goes on" in second.output
     # the rest of epoch 0 is 4096 - 20 x 128 = 1536 samples: 6 steps of 64 x 4 ranks, so every
@@ -132,9 +134,13 @@ def test_readme_example_stops_on_sigterm_at_a_step_and_resumes_there(launch, tmp
     first = tmp_path / "checkpoints" / "step-00000020" / "manifest.json"
     with open(tmp_path / "stderr", "w+") as stderr:
         proc = subprocess.Popen(
-            [sys.executable, *command], cwd=tmp_path, env=env, stdout=subprocess.DEVNULL,
-            stderr=stderr, start_new_session=True,
-        )  # fmt: skip
+            [sys.executable, *command],
+            cwd=tmp_path,
+            env=env,
+            stdout=subprocess.DEVNULL,
+            stderr=stderr,
+            start_new_session=True,
+        )
         try:
             deadline = time.monotonic() + 120
             while not first.is_file():  # ready: the first periodic checkpoint is complete
@@ -163,7 +169,11 @@ def test_readme_example_stops_on_sigterm_at_a_step_and_resumes_there(launch, tmp
             f"checkpoint step-{step:08d} in checkpoints; resume with: ddpkit run -n 2 train.py"
         ), last
     assert not [pid for pid in started if pid_alive(pid)], "processes outlived the job"
-    resumed = run_cli(command, env={"EPOCHS": str(step // (SAMPLES // BATCH // world_size) + 1)},
-                      cwd=str(tmp_path), timeout_s=240)  # fmt: skip
+    resumed = run_cli(
+        command,
+        env={"EPOCHS": str(step // (SAMPLES // BATCH // world_size) + 1)},
+        cwd=str(tmp_path),
+        timeout_s=240,
+    )
     assert resumed.returncode == 0, resumed.output
     assert f"(step {step})" in resumed.output, resumed.output  # 0 lost steps

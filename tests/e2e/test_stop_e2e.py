@@ -241,9 +241,12 @@ def test_plain_torchrun_passes_sigterm_on_and_the_ranks_stop_at_a_step(tmp_path)
     job.finish()
     lines = [line for line in job.errors().splitlines() if line.startswith("ddpkit train:")]
     assert len(lines) == 1, job.errors()
-    found = re.match(r"ddpkit train: stopped by SIGTERM after step (\d+) \(epoch \d/5\); saved: "
-                     r"checkpoint (step-\d+) in (\S+); resume: rerun the same torchrun command "
-                     r"with --resume auto$", lines[0])  # fmt: skip
+    found = re.match(
+        r"ddpkit train: stopped by SIGTERM after step (\d+) \(epoch \d/5\); saved: "
+        r"checkpoint (step-\d+) in (\S+); resume: rerun the same torchrun command "
+        r"with --resume auto$",
+        lines[0],
+    )
     assert found, lines[0]
     step, folder, directory = found.groups()
     assert list_checkpoints(Path(directory))[0].name == folder == f"step-{int(step):08d}"

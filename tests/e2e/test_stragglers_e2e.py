@@ -56,14 +56,32 @@ def _duty_cycle(pid: int, done: threading.Event, stop_s: float, run_s: float) ->
 
 def _train(mnist_dir: Path, out: Path, slow_rank: int | None) -> tuple[str, dict]:
     command = [
-        sys.executable, "-m", "ddpkit", "train", "--nproc", "2", "--data-dir", str(mnist_dir),
-        "--epochs", "1", "--max-steps", str(STEPS), "--output-dir", str(out), "--progress", "off",
-    ]  # fmt: skip
+        sys.executable,
+        "-m",
+        "ddpkit",
+        "train",
+        "--nproc",
+        "2",
+        "--data-dir",
+        str(mnist_dir),
+        "--epochs",
+        "1",
+        "--max-steps",
+        str(STEPS),
+        "--output-dir",
+        str(out),
+        "--progress",
+        "off",
+    ]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
     launcher = subprocess.Popen(
-        command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
+        command,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env=env,
         start_new_session=True,
-    )  # fmt: skip
+    )
     done = threading.Event()
     cycler = None
     try:

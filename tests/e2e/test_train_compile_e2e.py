@@ -29,10 +29,18 @@ def test_compiled_job_resumes_an_eager_checkpoint_to_the_same_parameters(tmp_pat
     assert eager.returncode == 0, eager.output
     halfway = tmp_path / "eager" / "checkpoints" / "step-00000004"
     compiled = run_cli(
-        [*COMMON, "--compile", "--compile-backend", "aot_eager", "--resume", str(halfway),
-         "--output-dir", str(tmp_path / "compiled")],
+        [
+            *COMMON,
+            "--compile",
+            "--compile-backend",
+            "aot_eager",
+            "--resume",
+            str(halfway),
+            "--output-dir",
+            str(tmp_path / "compiled"),
+        ],
         timeout_s=240,
-    )  # fmt: skip
+    )
     assert compiled.returncode == 0, compiled.output
     assert "torch.compile backend aot_eager" in compiled.stdout
     assert "gradients compared across ranks before the first 3 optimizer steps" in (compiled.stdout)

@@ -31,17 +31,43 @@ def test_ranks_get_the_resolved_config_and_match_plain_torchrun(tmp_path):
     common = ["--dataset", "digits", "--epochs", "1", "--progress", "off", "--log-every", "0"]
     launched = tmp_path / "launched"
     result = run_cli(
-        ["-m", "ddpkit", "train", "--nproc", "2", "--config", str(config), *common,
-         "--grad-accum", "2", "--max-steps", "3", "--output-dir", str(launched)],
+        [
+            "-m",
+            "ddpkit",
+            "train",
+            "--nproc",
+            "2",
+            "--config",
+            str(config),
+            *common,
+            "--grad-accum",
+            "2",
+            "--max-steps",
+            "3",
+            "--output-dir",
+            str(launched),
+        ],
         timeout_s=240,
-    )  # fmt: skip
+    )
     assert result.returncode == 0, result.output
     plain = tmp_path / "plain"
     result = run_cli(
-        ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-         "-m", "ddpkit", "train", *common, *SAME_AS_FLAGS, "--output-dir", str(plain)],
+        [
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc-per-node",
+            "2",
+            "-m",
+            "ddpkit",
+            "train",
+            *common,
+            *SAME_AS_FLAGS,
+            "--output-dir",
+            str(plain),
+        ],
         timeout_s=240,
-    )  # fmt: skip
+    )
     assert result.returncode == 0, result.output
     summaries = [json.loads((out / "summary.json").read_text()) for out in (launched, plain)]
     for summary in summaries:  # the file's values, the flags over them

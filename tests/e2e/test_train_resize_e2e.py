@@ -18,8 +18,21 @@ import torch
 
 from tests.helpers import run_cli
 
-COMMON = ["-m", "ddpkit", "train", "--dataset", "digits", "--epochs", "2", "--max-steps", "8",
-          "--checkpoint-every", "4", "--log-every", "1"]  # fmt: skip
+COMMON = [
+    "-m",
+    "ddpkit",
+    "train",
+    "--dataset",
+    "digits",
+    "--epochs",
+    "2",
+    "--max-steps",
+    "8",
+    "--checkpoint-every",
+    "4",
+    "--log-every",
+    "1",
+]
 LOSS_RTOL = 1e-6  # float32; tests/distributed/test_resize_resume.py measures the margin
 
 
@@ -30,20 +43,32 @@ def _losses(out) -> dict[int, float]:
 
 def test_a_killed_two_process_job_resumes_on_four_and_on_one(tmp_path):
     pytest.importorskip("sklearn")
-    plain = run_cli([*COMMON, "--nproc", "2", "--output-dir", str(tmp_path / "plain")],
-                    timeout_s=180)  # fmt: skip
+    plain = run_cli(
+        [*COMMON, "--nproc", "2", "--output-dir", str(tmp_path / "plain")], timeout_s=180
+    )
     assert plain.returncode == 0, plain.output
-    faulty = run_cli([*COMMON, "--nproc", "2", "--output-dir", str(tmp_path / "killed")],
-                     env={"DDPKIT_FAULT_INJECT": "1:6"}, timeout_s=180)  # fmt: skip
+    faulty = run_cli(
+        [*COMMON, "--nproc", "2", "--output-dir", str(tmp_path / "killed")],
+        env={"DDPKIT_FAULT_INJECT": "1:6"},
+        timeout_s=180,
+    )
     assert faulty.returncode == 1, faulty.output
     shutil.copytree(tmp_path / "killed", tmp_path / "killed-1")
     reference = _losses(tmp_path / "plain")
     expected_model = torch.load(tmp_path / "plain" / "model.pt", weights_only=True)
     for out, nproc, split in (("killed", 4, "32 per rank x 1"), ("killed-1", 1, "64 per rank x 2")):
         resumed = run_cli(
-            [*COMMON, "--nproc", str(nproc), "--resume", "auto", "--output-dir",
-             str(tmp_path / out)], timeout_s=180,
-        )  # fmt: skip
+            [
+                *COMMON,
+                "--nproc",
+                str(nproc),
+                "--resume",
+                "auto",
+                "--output-dir",
+                str(tmp_path / out),
+            ],
+            timeout_s=180,
+        )
         assert resumed.returncode == 0, resumed.output
         assert resumed.stdout.count("the global batch stays") == 1  # one info line, rank 0
         assert (

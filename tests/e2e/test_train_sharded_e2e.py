@@ -17,8 +17,21 @@ import torch
 
 from tests.helpers import run_cli
 
-COMMON = ["-m", "ddpkit", "train", "--dataset", "digits", "--epochs", "2", "--max-steps", "8",
-          "--checkpoint-every", "4", "--log-every", "1"]  # fmt: skip
+COMMON = [
+    "-m",
+    "ddpkit",
+    "train",
+    "--dataset",
+    "digits",
+    "--epochs",
+    "2",
+    "--max-steps",
+    "8",
+    "--checkpoint-every",
+    "4",
+    "--log-every",
+    "1",
+]
 # another strategy or world size: another float reduction order; pytest -s prints the largest
 # relative difference (docs/checkpoints.md gives the figures measured)
 LOSS_RTOL = 1e-5
@@ -30,8 +43,7 @@ def _losses(out) -> dict[int, float]:
 
 
 def _train(tmp_path, name: str, *extra: str, env=None):
-    done = run_cli([*COMMON, "--output-dir", str(tmp_path / name), *extra], env=env,
-                   timeout_s=240)  # fmt: skip
+    done = run_cli([*COMMON, "--output-dir", str(tmp_path / name), *extra], env=env, timeout_s=240)
     return done
 
 
@@ -52,13 +64,20 @@ def test_fsdp_and_zero1_train_like_ddp_and_fsdp_resumes_on_another_nproc(tmp_pat
         assert rel <= LOSS_RTOL, strategy
     fsdp_ckpt = tmp_path / "fsdp" / "checkpoints" / "step-00000016"
     assert sorted(p.name for p in (fsdp_ckpt / "dcp").iterdir()) == [
-        ".metadata", "__0_0.distcp", "__1_0.distcp"]  # fmt: skip
+        ".metadata",
+        "__0_0.distcp",
+        "__1_0.distcp",
+    ]
     zero1_ckpt = tmp_path / "zero1" / "checkpoints"
     assert sorted(p.name for p in zero1_ckpt.glob("step-*")) == [
-        "step-00000008", "step-00000012", "step-00000016"]  # fmt: skip
+        "step-00000008",
+        "step-00000012",
+        "step-00000016",
+    ]
     assert (zero1_ckpt / "step-00000016" / "dcp" / "__1_0.distcp").is_file()
-    faulty = _train(tmp_path, "killed", "--nproc", "2", "--strategy", "fsdp",
-                    env={"DDPKIT_FAULT_INJECT": "1:6"})  # fmt: skip
+    faulty = _train(
+        tmp_path, "killed", "--nproc", "2", "--strategy", "fsdp", env={"DDPKIT_FAULT_INJECT": "1:6"}
+    )
     assert faulty.returncode == 1, faulty.output
     resumed = _train(tmp_path, "killed", "--nproc", "4", "--strategy", "fsdp", "--resume", "auto")
     assert resumed.returncode == 0, resumed.output

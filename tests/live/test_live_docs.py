@@ -39,8 +39,10 @@ def doc_loop() -> str:
 @pytest.mark.parametrize("launch", ["python", "ddpkit_run"])
 def test_the_doc_loop_runs_as_one_process_and_as_plain_ddp(launch, tmp_path):
     (tmp_path / "live_train.py").write_text(doc_loop())
-    command = {"python": ["live_train.py"],
-               "ddpkit_run": ["-m", "ddpkit", "run", "-n", "2", "live_train.py"]}[launch]
+    command = {
+        "python": ["live_train.py"],
+        "ddpkit_run": ["-m", "ddpkit", "run", "-n", "2", "live_train.py"],
+    }[launch]
     result = run_cli(command, env={"EPOCHS": "2"}, cwd=str(tmp_path), timeout_s=200)
     assert result.returncode == 0, result.output
     world = 1 if launch == "python" else 2
@@ -51,12 +53,30 @@ def test_the_doc_loop_runs_as_one_process_and_as_plain_ddp(launch, tmp_path):
 
 def test_the_doc_loop_survives_a_killed_rank_with_live_fault_tolerance(tmp_path):
     (tmp_path / "live_train.py").write_text(doc_loop() + CHECKSUM)
-    command = [sys.executable, "-m", "ddpkit", "run", "-n", "3", "--fault-tolerance", "live",
-               "--spares", "1", "--heartbeat-timeout", "30", "live_train.py"]  # fmt: skip
+    command = [
+        sys.executable,
+        "-m",
+        "ddpkit",
+        "run",
+        "-n",
+        "3",
+        "--fault-tolerance",
+        "live",
+        "--spares",
+        "1",
+        "--heartbeat-timeout",
+        "30",
+        "live_train.py",
+    ]
     proc = subprocess.Popen(
-        command, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-        env={**os.environ, "EPOCHS": "30", "PYTHONUNBUFFERED": "1"}, start_new_session=True,
-    )  # fmt: skip
+        command,
+        cwd=tmp_path,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env={**os.environ, "EPOCHS": "30", "PYTHONUNBUFFERED": "1"},
+        start_new_session=True,
+    )
     lines = []
     assert proc.stdout is not None
     for line in proc.stdout:  # the first epoch's line: training runs, kill one rank
@@ -96,12 +116,27 @@ def test_a_plain_loop_is_refused_in_one_line_with_live_fault_tolerance(tmp_path)
 
     (tmp_path / "train.py").write_text(readme_example())
     result = run_cli(
-        ["-m", "ddpkit", "run", "-n", "2", "--fault-tolerance", "live", "--max-restarts", "0",
-         "train.py"], env={"EPOCHS": "1"}, cwd=str(tmp_path), timeout_s=200,
-    )  # fmt: skip
+        [
+            "-m",
+            "ddpkit",
+            "run",
+            "-n",
+            "2",
+            "--fault-tolerance",
+            "live",
+            "--max-restarts",
+            "0",
+            "train.py",
+        ],
+        env={"EPOCHS": "1"},
+        cwd=str(tmp_path),
+        timeout_s=200,
+    )
     assert result.returncode == 1, result.output
-    assert "LiveModelError: live fault tolerance: this model's gradients are all-reduced by " \
-        "ddpkit.TrainStep" in result.output, result.output  # fmt: skip
+    assert (
+        "LiveModelError: live fault tolerance: this model's gradients are all-reduced by "
+        "ddpkit.TrainStep" in result.output
+    ), result.output
     assert "job FAILED: no live member is left to go on" in result.output.splitlines()[-1]
 
 
@@ -109,8 +144,12 @@ def test_live_under_plain_torchrun_is_refused_in_one_line(tmp_path):
     (tmp_path / "live_train.py").write_text(doc_loop())
     result = run_cli(
         ["-m", "torch.distributed.run", "--nproc-per-node", "2", "live_train.py"],
-        env={"EPOCHS": "1", "DDPKIT_FAULT_TOLERANCE": "live"}, cwd=str(tmp_path), timeout_s=200,
-    )  # fmt: skip
+        env={"EPOCHS": "1", "DDPKIT_FAULT_TOLERANCE": "live"},
+        cwd=str(tmp_path),
+        timeout_s=200,
+    )
     assert result.returncode != 0, result.output
-    assert "fault_tolerance='live' needs its launcher: start the job with ddpkit run " \
-        "--fault-tolerance live" in result.output, result.output  # fmt: skip
+    assert (
+        "fault_tolerance='live' needs its launcher: start the job with ddpkit run "
+        "--fault-tolerance live" in result.output
+    ), result.output

@@ -30,8 +30,19 @@ class LiveJob:
         out.mkdir(parents=True, exist_ok=True)
         if "--heartbeat-timeout" not in flags:  # a loaded CI machine: no false "silent"
             flags = ("--heartbeat-timeout", "30", *flags)
-        command = [sys.executable, "-m", "ddpkit", "run", "-n", str(nproc),
-                   "--fault-tolerance", "live", *flags, str(SCRIPT), str(out)]  # fmt: skip
+        command = [
+            sys.executable,
+            "-m",
+            "ddpkit",
+            "run",
+            "-n",
+            str(nproc),
+            "--fault-tolerance",
+            "live",
+            *flags,
+            str(SCRIPT),
+            str(out),
+        ]
         self.proc = subprocess.Popen(
             command,
             stdout=subprocess.PIPE,
@@ -89,8 +100,9 @@ class LiveJob:
             os.killpg(self.proc.pid, signal.SIGKILL)
 
     def finals(self) -> list[dict]:
-        return [json.loads(line[6:]) for line in self.output.splitlines()
-                if line.startswith("FINAL ")]  # fmt: skip
+        return [
+            json.loads(line[6:]) for line in self.output.splitlines() if line.startswith("FINAL ")
+        ]
 
 
 def _alive(pid: int) -> bool:
@@ -132,7 +144,6 @@ def test_a_worker_killed_in_backward_leaves_its_peers_training_and_a_replacement
     assert survivors == {before[0], before[2]}, output  # the same processes went on
     counters = [f["counters"] for f in finals if f["pid"] == before[0]][0]
     assert counters["failures"] == 1 and counters["discarded_steps"] <= 1, counters
-
 
 
 def test_a_replacement_killed_while_it_heals_leaves_the_job_whole(job_dir):

@@ -26,9 +26,23 @@ def start_ddpkit(
     conf = ["--rdzv-conf", rdzv_conf] if rdzv_conf else []
     return start_in(
         node,
-        ["-m", "ddpkit", "run", "-n", "1", "--nnodes", "2:3", "--node-rank", str(rank),
-         "--rdzv-endpoint", f"{endpoint.address}:{PORT}", *conf, SCRIPT, *job],
-    )  # fmt: skip
+        [
+            "-m",
+            "ddpkit",
+            "run",
+            "-n",
+            "1",
+            "--nnodes",
+            "2:3",
+            "--node-rank",
+            str(rank),
+            "--rdzv-endpoint",
+            f"{endpoint.address}:{PORT}",
+            *conf,
+            SCRIPT,
+            *job,
+        ],
+    )
 
 
 def start_torchrun(
@@ -39,12 +53,27 @@ def start_torchrun(
     conf = ",".join(filter(None, [rdzv_conf, "is_host=1" if node == endpoint else ""]))
     return start_in(
         node,
-        ["-m", "torch.distributed.run", "--nnodes", "2:3", "--nproc-per-node", "1",
-         "--rdzv-backend", "c10d", "--rdzv-endpoint", f"{endpoint.address}:{PORT}",
-         *(["--rdzv-conf", conf] if conf else []), "--max-restarts", "3",
-         "--local-addr", node.address, SCRIPT, *job],
+        [
+            "-m",
+            "torch.distributed.run",
+            "--nnodes",
+            "2:3",
+            "--nproc-per-node",
+            "1",
+            "--rdzv-backend",
+            "c10d",
+            "--rdzv-endpoint",
+            f"{endpoint.address}:{PORT}",
+            *(["--rdzv-conf", conf] if conf else []),
+            "--max-restarts",
+            "3",
+            "--local-addr",
+            node.address,
+            SCRIPT,
+            *job,
+        ],
         env={"GLOO_SOCKET_IFNAME": node.ifname},
-    )  # fmt: skip
+    )
 
 
 def read_events(out: Path) -> list[dict]:
@@ -96,9 +125,15 @@ def worker_groups(events: list[dict]) -> list[dict]:
         size, resumed = e["attempt"]
         group = groups.setdefault(
             e["attempt"],
-            {"world_size": size, "resumed": resumed, "start_s": e["time_s"], "ranks": [],
-             "steps": [], "saved": []},
-        )  # fmt: skip
+            {
+                "world_size": size,
+                "resumed": resumed,
+                "start_s": e["time_s"],
+                "ranks": [],
+                "steps": [],
+                "saved": [],
+            },
+        )
         if e["event"] == "start":
             group["ranks"].append(e["rank"])
         elif e["event"] == "step":

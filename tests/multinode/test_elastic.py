@@ -95,9 +95,14 @@ def test_lost_node_survivors_resume_on_two_then_the_node_rejoins(nodes, tmp_path
     wait_for(tmp_path, survivors, "a checkpoint on 2 ranks after the resume", saved(2, 16))
     (tmp_path / "hold").touch()
     back = start_ddpkit(nodes[2], 2, nodes[0], job)
-    wait_for(tmp_path, [*survivors, back], "the rejoined node training",
-              lambda events: any(e["event"] == "step" and e["world_size"] == 3 and
-                                 e["time_s"] > killed_s for e in events))  # fmt: skip
+    wait_for(
+        tmp_path,
+        [*survivors, back],
+        "the rejoined node training",
+        lambda events: any(
+            e["event"] == "step" and e["world_size"] == 3 and e["time_s"] > killed_s for e in events
+        ),
+    )
     (tmp_path / "hold").unlink()
     _check_bound(nodes)
     results = finish([*survivors, back], 240)
@@ -110,8 +115,10 @@ def test_lost_node_survivors_resume_on_two_then_the_node_rejoins(nodes, tmp_path
 
     attempts = worker_groups(read_events(tmp_path))
     assert [(a["world_size"], sorted(a["ranks"])) for a in attempts] == [
-        (3, [0, 1, 2]), (2, [0, 1]), (3, [0, 1, 2])
-    ], attempts  # fmt: skip
+        (3, [0, 1, 2]),
+        (2, [0, 1]),
+        (3, [0, 1, 2]),
+    ], attempts
     lost, resized, rejoined = attempts
     # each resumed from the newest checkpoint its predecessor reported complete
     assert lost["resumed"] == 0 and resized["resumed"] == max(lost["saved"]) >= 8

@@ -91,11 +91,15 @@ def ensure_installed(timeout_s: float = 300.0) -> float:
         return 0.0
     missing = ", ".join(name for name in COMMANDS if not _which(name))
     if os.geteuid() != 0:
-        raise SlurmUnavailable(f"Slurm is not installed ({missing} missing) and installing it "
-                               "needs root: apt-get install slurm-wlm munge")  # fmt: skip
+        raise SlurmUnavailable(
+            f"Slurm is not installed ({missing} missing) and installing it "
+            "needs root: apt-get install slurm-wlm munge"
+        )
     if _which("apt-get") is None:
-        raise SlurmUnavailable(f"Slurm is not installed ({missing} missing) and there is no "
-                               "apt-get to install slurm-wlm and munge with")  # fmt: skip
+        raise SlurmUnavailable(
+            f"Slurm is not installed ({missing} missing) and there is no "
+            "apt-get to install slurm-wlm and munge with"
+        )
     start = time.monotonic()
     INSTALL_LOCK.touch()
     with INSTALL_LOCK.open() as lock:  # one installer at a time (pytest workers, checkouts)
@@ -222,11 +226,17 @@ class SlurmCluster:
         self._daemon(["mungekey", "-c", "-k", str(munge / "munge.key")], "mungekey")
         (munge / "munge.key").chmod(0o400)
         self._daemon(
-            ["munged", "--force", f"--socket={munge}/munge.sock",
-             f"--key-file={munge}/munge.key", f"--pid-file={munge}/munged.pid",
-             f"--log-file={munge}/munged.log", f"--seed-file={munge}/munge.seed"],
+            [
+                "munged",
+                "--force",
+                f"--socket={munge}/munge.sock",
+                f"--key-file={munge}/munge.key",
+                f"--pid-file={munge}/munged.pid",
+                f"--log-file={munge}/munged.log",
+                f"--seed-file={munge}/munge.seed",
+            ],
             "munged",
-        )  # fmt: skip
+        )
         self._wait(deadline, "munged answering", self._munge_answers, munge / "munged.log")
 
     def _munge_answers(self) -> bool:
@@ -234,9 +244,12 @@ class SlurmCluster:
         cred = subprocess.run(["munge", sock, "-n"], capture_output=True, timeout=10)
         if cred.returncode != 0:
             return False
-        return subprocess.run(
-            ["unmunge", sock], input=cred.stdout, capture_output=True, timeout=10
-        ).returncode == 0  # fmt: skip
+        return (
+            subprocess.run(
+                ["unmunge", sock], input=cred.stdout, capture_output=True, timeout=10
+            ).returncode
+            == 0
+        )
 
     def _start_slurm(self, deadline: float) -> None:
         self.conf.write_text(
@@ -266,8 +279,9 @@ class SlurmCluster:
 
     def _log_tail(self, logs: Path) -> str:
         files = sorted(logs.glob("*.log")) if logs.is_dir() else [logs]
-        tails = [f"{f.name}: {_tail(f.read_text(errors='replace'), 3)}" for f in files
-                 if f.is_file()]  # fmt: skip
+        tails = [
+            f"{f.name}: {_tail(f.read_text(errors='replace'), 3)}" for f in files if f.is_file()
+        ]
         return "; ".join(tails) or "no log written"
 
     def _in_netns(self, argv: list[str]) -> list[str]:
@@ -281,9 +295,14 @@ class SlurmCluster:
     def popen(self, argv: list[str], *, cwd: Path | None = None, env: dict | None = None):
         """Start ``argv`` (srun, sbatch, ...) in the namespace, in a session of its own."""
         return subprocess.Popen(
-            self._in_netns(argv), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-            cwd=cwd, env=self.env(env), start_new_session=True,
-        )  # fmt: skip
+            self._in_netns(argv),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            cwd=cwd,
+            env=self.env(env),
+            start_new_session=True,
+        )
 
     def run(
         self,

@@ -62,8 +62,10 @@ def test_own_loop_under_srun_matches_ddpkit_run(slurm_cluster, tmp_path):
     (tmp_path / "run").mkdir()
     srun = slurm_cluster.run(
         ["srun", "-n", "2", "--kill-on-bad-exit=1", sys.executable, str(script), "srun"],
-        cwd=tmp_path, env=ENV, timeout_s=100,
-    )  # fmt: skip
+        cwd=tmp_path,
+        env=ENV,
+        timeout_s=100,
+    )
     assert srun.returncode == 0, srun.output
     ranks = [torch.load(tmp_path / "srun" / f"rank{r}.pt", weights_only=False) for r in (0, 1)]
     for rank, saved in enumerate(ranks):
@@ -128,8 +130,11 @@ def _failing_rank(cluster, tmp_path: Path, name: str, text: str, *flags: str):
     script = _write(tmp_path / f"{name}.py", text)
     result = cluster.run(
         ["srun", "-n", "2", *flags, sys.executable, str(script)],
-        cwd=tmp_path, env=ENV, timeout_s=100, check=False,
-    )  # fmt: skip
+        cwd=tmp_path,
+        env=ENV,
+        timeout_s=100,
+        check=False,
+    )
     ended_at = time.time()
     fault = re.search(r"FAULT_AT ([\d.]+)", result.output)
     assert fault, result.output
@@ -207,9 +212,12 @@ def train_reference(slurm_cluster, tmp_path_factory):
     folder = tmp_path_factory.mktemp("srun-train")
     argv = ["srun", "-n", "2", "--kill-on-bad-exit=1", sys.executable, "-m", "ddpkit", "train"]
     result = slurm_cluster.run(
-        [*argv, *TRAIN, "--output-dir", str(folder / "out")], cwd=folder, env=ENV, timeout_s=180,
+        [*argv, *TRAIN, "--output-dir", str(folder / "out")],
+        cwd=folder,
+        env=ENV,
+        timeout_s=180,
         check=False,
-    )  # fmt: skip
+    )
     return result, folder / "out"
 
 
@@ -237,9 +245,12 @@ def test_ddpkit_train_nproc_inside_one_srun_task(slurm_cluster, train_reference,
     argv = ["srun", "-n", "1", "--cpus-per-task=2", sys.executable, "-m", "ddpkit", "train"]
     argv += ["--nproc", "2"]
     result = slurm_cluster.run(
-        [*argv, *TRAIN, "--output-dir", str(tmp_path / "out")], cwd=tmp_path, env=ENV,
-        timeout_s=180, check=False,
-    )  # fmt: skip
+        [*argv, *TRAIN, "--output-dir", str(tmp_path / "out")],
+        cwd=tmp_path,
+        env=ENV,
+        timeout_s=180,
+        check=False,
+    )
     assert result.returncode == 0, result.output
     assert json.loads((tmp_path / "out" / "summary.json").read_text())["world_size"] == 2
     assert _same_model(tmp_path / "out", reference)  # the same job, launched the other way
@@ -260,9 +271,19 @@ def test_sbatch_job_stopped_by_usr1_requeues_itself_and_resumes(
     _, reference = train_reference
     out, log = tmp_path / "out", tmp_path / "job.out"
     submitted = slurm_cluster.run(
-        ["sbatch", "--parsable", f"--output={log}", str(SBATCH_SCRIPT), *TRAIN,
-         "--output-dir", str(out)], cwd=tmp_path, env=ENV, timeout_s=30,
-    )  # fmt: skip
+        [
+            "sbatch",
+            "--parsable",
+            f"--output={log}",
+            str(SBATCH_SCRIPT),
+            *TRAIN,
+            "--output-dir",
+            str(out),
+        ],
+        cwd=tmp_path,
+        env=ENV,
+        timeout_s=30,
+    )
     job_id = submitted.stdout.strip().split(";")[0]
 
     def details() -> str:

@@ -78,8 +78,9 @@ def test_no_readable_checkpoint_starts_at_0_and_sets_every_one_aside(tmp_path, c
     ddpkit.configure_logging(ProcessInfo())
     assert ckpt.resume() == 0
     assert sorted(p.name for p in (tmp_path / "set-aside").iterdir()) == [
-        "step-00000010", "step-00000020"
-    ]  # fmt: skip
+        "step-00000010",
+        "step-00000020",
+    ]
     assert list_checkpoints(tmp_path) == []
     assert capsys.readouterr().err.count("nothing was deleted") == 2
 

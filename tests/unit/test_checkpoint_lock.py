@@ -66,8 +66,10 @@ def test_managers_of_one_process_share_the_lock_until_the_last_goes(tmp_path):
     del one
     refused = subprocess.run(
         [sys.executable, "-m", "ddpkit.testing.checkpoint_writer", str(tmp_path)],
-        capture_output=True, text=True, timeout=60,
-    )  # fmt: skip
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert refused.returncode != 0 and refused.stdout == ""
     assert f"is in use by another job: pid {os.getpid()} " in refused.stderr
     two.save(2)

@@ -44,8 +44,9 @@ def _manager(directory: Path, **kwargs) -> ddpkit.CheckpointManager:
     torch.manual_seed(0)
     model = nn.Linear(3, 2)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    return ddpkit.CheckpointManager(directory, _runtime(), state={"model": model, "optimizer": opt},
-                                    **kwargs)  # fmt: skip
+    return ddpkit.CheckpointManager(
+        directory, _runtime(), state={"model": model, "optimizer": opt}, **kwargs
+    )
 
 
 def _rewrite_manifest(folder: Path, name: str, **fields) -> None:
@@ -88,8 +89,18 @@ def test_a_poisoned_state_file_is_refused_by_resume_and_runs_nothing(tmp_path, c
 
 def test_checkpoint_export_refuses_the_poisoned_state_in_one_line(tmp_path):
     folder, marker = _poisoned_checkpoint(tmp_path)
-    done = run_cli(["-m", "ddpkit", "checkpoint", "export", str(folder), "--output",
-                    str(tmp_path / "model.pt")], timeout_s=60)  # fmt: skip
+    done = run_cli(
+        [
+            "-m",
+            "ddpkit",
+            "checkpoint",
+            "export",
+            str(folder),
+            "--output",
+            str(tmp_path / "model.pt"),
+        ],
+        timeout_s=60,
+    )
     assert done.returncode != 0
     assert done.returncode == 2 and "error: unsafe checkpoint: path=" in done.stderr
     assert "holds the global io.open" in done.stderr
@@ -101,8 +112,11 @@ def test_a_manifest_of_an_unknown_format_is_refused(tmp_path):
     _manager(tmp_path / "ckpt").save(3)
     folder = tmp_path / "ckpt" / "step-00000003"
     _rewrite_manifest(folder, STATE_FILE, format=99)
-    with pytest.raises(ddpkit.DataError, match=r"checkpoint of an unknown format: path=.*"
-                       r"format=99; this ddpkit reads formats 1, 2"):  # fmt: skip
+    with pytest.raises(
+        ddpkit.DataError,
+        match=r"checkpoint of an unknown format: path=.*"
+        r"format=99; this ddpkit reads formats 1, 2",
+    ):
         _manager(tmp_path / "ckpt").resume(folder)
 
 

@@ -53,9 +53,11 @@ def test_tensor_in_extra_is_refused_naming_the_key_and_nothing_is_written(tmp_pa
     model = nn.Linear(2, 2)
     with pytest.raises(TypeError) as info:
         ddpkit.CheckpointManager(
-            tmp_path / "ck", _runtime(), state={"model": model},
+            tmp_path / "ck",
+            _runtime(),
+            state={"model": model},
             extra={"lr": 0.1, "ema": torch.ones(2)},
-        )  # fmt: skip
+        )
     message = str(info.value)
     assert "extra['ema']" in message and "Tensor" in message
     assert "state={'ema': ...}" in message  # says where such state goes
@@ -129,8 +131,9 @@ def test_partial_load_returns_and_logs_the_keys(caplog):
     assert "unexpected ['head.w']" in caplog.text
     caplog.clear()
     with caplog.at_level(logging.WARNING, logger="ddpkit"):
-        full = ddpkit.load_model_state(model, nn.Sequential(nn.Linear(3, 2), nn.Linear(2, 1))
-                                       .state_dict(), strict=False)  # fmt: skip
+        full = ddpkit.load_model_state(
+            model, nn.Sequential(nn.Linear(3, 2), nn.Linear(2, 1)).state_dict(), strict=False
+        )
     assert full.missing_keys == [] and full.unexpected_keys == [] and caplog.text == ""
 
 
@@ -210,16 +213,24 @@ def test_bad_state_is_refused_when_the_manager_is_built(tmp_path):
 @pytest.mark.parametrize(
     "saved,job,refused",
     [
-        (None, "module", False), (None, "other", False), (None, "zero_optimizer", False),
-        (None, "fsdp_model", True), (None, "fsdp_optimizer", True),
-        ("fsdp_model", "fsdp_model", False), ("fsdp_model", "module", False),
+        (None, "module", False),
+        (None, "other", False),
+        (None, "zero_optimizer", False),
+        (None, "fsdp_model", True),
+        (None, "fsdp_optimizer", True),
+        ("fsdp_model", "fsdp_model", False),
+        ("fsdp_model", "module", False),
         ("fsdp_model", "other", True),
-        ("fsdp_optimizer", "fsdp_optimizer", False), ("fsdp_optimizer", "other", False),
-        ("fsdp_optimizer", "zero_optimizer", True), ("fsdp_optimizer", "module", True),
-        ("zero_optimizer", "zero_optimizer", False), ("zero_optimizer", "other", False),
-        ("zero_optimizer", "fsdp_optimizer", False), ("zero_optimizer", "fsdp_model", True),
+        ("fsdp_optimizer", "fsdp_optimizer", False),
+        ("fsdp_optimizer", "other", False),
+        ("fsdp_optimizer", "zero_optimizer", True),
+        ("fsdp_optimizer", "module", True),
+        ("zero_optimizer", "zero_optimizer", False),
+        ("zero_optimizer", "other", False),
+        ("zero_optimizer", "fsdp_optimizer", False),
+        ("zero_optimizer", "fsdp_model", True),
     ],
-)  # fmt: skip
+)
 def test_which_saved_layouts_resume_into_which_objects(tmp_path, saved, job, refused):
     from ddpkit.checkpoint.sharded import layout_refusal
 

@@ -87,8 +87,9 @@ def test_what_compile_cannot_do_is_refused_in_one_line(
 def test_the_check_is_on_by_default_only_under_compile_with_ddp():
     assert prepare_compile("ddp", True, None, {}) == ({}, 3)
     assert prepare_compile("ddp", {"mode": "max-autotune"}, None, {}) == (
-        {"mode": "max-autotune"}, 3
-    )  # fmt: skip
+        {"mode": "max-autotune"},
+        3,
+    )
     assert prepare_compile("ddp", False, None, {}) == (None, 0)
     assert prepare_compile("ddp", False, 2, {}) == (None, 2)  # eager DDP may ask for it
     assert prepare_compile("single", True, None, {}) == ({}, 0)

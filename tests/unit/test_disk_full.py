@@ -64,5 +64,9 @@ def test_the_size_of_what_needed_writing():
     state = {"model": model, "rng": [torch.zeros(8, dtype=torch.uint8)], "step": 3}
     assert tensor_bytes(state) == 512 * 512 * 4 + 512 * 4 + 8
     assert [format_bytes(n) for n in (0, 1023, 843_152, 1_050_624, 25 * 2**30)] == [
-        "0 B", "1023 B", "823.4 KiB", "1.0 MiB", "25.0 GiB"
-    ]  # fmt: skip
+        "0 B",
+        "1023 B",
+        "823.4 KiB",
+        "1.0 MiB",
+        "25.0 GiB",
+    ]

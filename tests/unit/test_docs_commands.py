@@ -53,8 +53,11 @@ def mentions() -> list[tuple[str, str, str]]:
     found = []
     for doc in DOCS:
         text = doc.read_text()
-        pieces = [line for block in FENCE.findall(text) for line in
-                  block.replace("\\\n", " ").splitlines()]  # fmt: skip
+        pieces = [
+            line
+            for block in FENCE.findall(text)
+            for line in block.replace("\\\n", " ").splitlines()
+        ]
         pieces += [span.replace("\n", " ") for span in SPAN.findall(FENCE.sub("", text))]
         for piece in pieces:
             for match in COMMAND.finditer(piece):

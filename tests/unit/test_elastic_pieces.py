@@ -88,13 +88,28 @@ def test_restart_lines_come_from_the_agents_info_records_which_stay_hidden(capsy
     logger.addHandler(handler)
     try:
         attached = announce_restarts("ddpkit run", elastic=True)
-        logger.info("[%s] Worker group %s. %s/%s attempts left; will restart worker group",
-                    "default", "FAILED", 3, 3)  # fmt: skip
-        logger.info("[%s] Detected %s new nodes from group_rank=%s; will restart worker group",
-                    "default", 1, 0)  # fmt: skip
-        logger.info("[%(role)s] Rendezvous complete for workers. Result:\n  group_world_size=",
-                    {"role": "default", "group_world_size": 2, "global_ranks": [1],
-                     "global_world_sizes": [2]})  # fmt: skip
+        logger.info(
+            "[%s] Worker group %s. %s/%s attempts left; will restart worker group",
+            "default",
+            "FAILED",
+            3,
+            3,
+        )
+        logger.info(
+            "[%s] Detected %s new nodes from group_rank=%s; will restart worker group",
+            "default",
+            1,
+            0,
+        )
+        logger.info(
+            "[%(role)s] Rendezvous complete for workers. Result:\n  group_world_size=",
+            {
+                "role": "default",
+                "group_world_size": 2,
+                "global_ranks": [1],
+                "global_world_sizes": [2],
+            },
+        )
         logger.warning("a warning")
         quiet_restarts(*attached)
     finally:

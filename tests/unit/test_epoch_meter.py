@@ -16,9 +16,12 @@ SINGLE = Runtime(ProcessInfo())
 
 def _result(step: int) -> StepResult:
     return StepResult(
-        step=step, loss_sums=(0.5 * step, 0.25), num_samples=8, num_samples_global=8,
+        step=step,
+        loss_sums=(0.5 * step, 0.25),
+        num_samples=8,
+        num_samples_global=8,
         skipped=False,
-    )  # fmt: skip
+    )
 
 
 def _run(meter: EpochMeter, steps: range, *, sync_every: int) -> None:

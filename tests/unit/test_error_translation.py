@@ -159,22 +159,35 @@ def test_a_state_dict_saved_with_or_without_the_ddp_prefix_is_explained():
 @pytest.mark.parametrize(
     "message, expected",
     [
-        ("[../gloo/transport/tcp/unbound_buffer.cc:81] Timed out waiting 10000ms for recv "
-         "operation to complete", "waited 10000 ms, the process group's timeout"),
-        ("Expected to mark a variable ready only once. This error is caused by ...",
-         "use_reentrant=False, or wrap with static_graph=True"),
-        ("'DistributedDataParallel' object has no attribute 'encode'",
-         "Use ddpkit.unwrap_model(model).encode, which works at every world size"),
+        (
+            "[../gloo/transport/tcp/unbound_buffer.cc:81] Timed out waiting 10000ms for recv "
+            "operation to complete",
+            "waited 10000 ms, the process group's timeout",
+        ),
+        (
+            "Expected to mark a variable ready only once. This error is caused by ...",
+            "use_reentrant=False, or wrap with static_graph=True",
+        ),
+        (
+            "'DistributedDataParallel' object has no attribute 'encode'",
+            "Use ddpkit.unwrap_model(model).encode, which works at every world size",
+        ),
         ("'ResNet' object has no attribute 'module'", "(no DDP wrapper, so no .module)"),
-        ("Expected more than 1 value per channel when training, got input size [1, 4]",
-         "drop_last=True"),
-        ("Expected to have finished reduction in the prior iteration before starting a new one",
-         "if parameters were frozen or replaced after wrapping, wrap the model again"),
-        ("Expected to have finished reduction in the prior iteration before starting a new one",
-         "segment whose inputs do not require grad gives its parameters no gradient: pass "
-         "use_reentrant=False"),
+        (
+            "Expected more than 1 value per channel when training, got input size [1, 4]",
+            "drop_last=True",
+        ),
+        (
+            "Expected to have finished reduction in the prior iteration before starting a new one",
+            "if parameters were frozen or replaced after wrapping, wrap the model again",
+        ),
+        (
+            "Expected to have finished reduction in the prior iteration before starting a new one",
+            "segment whose inputs do not require grad gives its parameters no gradient: pass "
+            "use_reentrant=False",
+        ),
     ],
-)  # fmt: skip
+)
 def test_classic_ddp_messages_are_matched(message, expected):
     assert expected in explain(RuntimeError(message))
 

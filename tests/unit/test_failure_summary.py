@@ -113,8 +113,12 @@ def test_a_peer_that_ran_to_its_end_is_named_not_sent_for():
     # rank 1 had one batch fewer: it finished (exit 0) while rank 0 waited in its last
     # all-reduce; the hint must not send the user to "the first failure in the other ranks'
     # output" (there is none) but say the ranks ran different numbers of collectives
-    peer = _record(0, "DistributedError", PEER_RESET.replace("1/2", "0/2"), "all_reduce of "
-                   "float32 (8,) at train.py:20")  # fmt: skip
+    peer = _record(
+        0,
+        "DistributedError",
+        PEER_RESET.replace("1/2", "0/2"),
+        "all_reduce of float32 (8,) at train.py:20",
+    )
     peer = FailureRecord(**{**peer.__dict__, "hint": "a peer's process ended: see its output"})
     lines = summarize_failure([peer], {0: 1}, LaunchSpec(["x.py"], 2), finished={1})
     text = "\n".join(lines)

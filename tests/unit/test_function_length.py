@@ -22,8 +22,14 @@ def _code_lines(source: str) -> set[int]:
     """Line numbers holding code: not blank, not only a comment."""
     lines: set[int] = set()
     for token in tokenize.generate_tokens(io.StringIO(source).readline):
-        if token.type in (tokenize.COMMENT, tokenize.NL, tokenize.NEWLINE, tokenize.INDENT,
-                          tokenize.DEDENT, tokenize.ENDMARKER):  # fmt: skip
+        if token.type in (
+            tokenize.COMMENT,
+            tokenize.NL,
+            tokenize.NEWLINE,
+            tokenize.INDENT,
+            tokenize.DEDENT,
+            tokenize.ENDMARKER,
+        ):
             continue
         lines.update(range(token.start[0], token.end[0] + 1))
     return lines

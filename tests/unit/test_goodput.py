@@ -19,9 +19,18 @@ from ddpkit.distributed.process_group import Runtime
 
 
 def _attempt(restart, start, last, resumed, furthest, startup=2.0, loop=10.0, ckpt=1.0, ev=0.5):
-    return {"restart": restart, "start_time": start, "last_time": last, "resumed_step": resumed,
-            "furthest_step": furthest, "startup_s": startup, "loop_s": loop, "checkpoint_s": ckpt,
-            "evaluation_s": ev, "end": ""}  # fmt: skip
+    return {
+        "restart": restart,
+        "start_time": start,
+        "last_time": last,
+        "resumed_step": resumed,
+        "furthest_step": furthest,
+        "startup_s": startup,
+        "loop_s": loop,
+        "checkpoint_s": ckpt,
+        "evaluation_s": ev,
+        "end": "",
+    }
 
 
 def test_a_restart_recomputes_the_steps_past_the_resumed_checkpoint():

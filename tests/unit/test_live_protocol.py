@@ -195,7 +195,10 @@ def test_lost_peer_errors_are_told_from_bugs():
 
 
 def test_members_that_ran_different_operations_are_told_so():
-    votes = {"s0-a": Vote(True, 3, op="training step"), "s1-b": Vote(True, 3, op="barrier"),
-             "s2-c": Vote(True, 3, op="training step")}  # fmt: skip
+    votes = {
+        "s0-a": Vote(True, 3, op="training step"),
+        "s1-b": Vote(True, 3, op="barrier"),
+        "s2-c": Vote(True, 3, op="training step"),
+    }
     with pytest.raises(DistributedError, match="'barrier' and 'training step'"):
         decide(Q, votes)

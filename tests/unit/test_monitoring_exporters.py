@@ -109,8 +109,9 @@ def test_goodput_is_nan_until_known_and_bad_values_are_refused():
         with pytest.raises(ValueError, match="ratio=93"):
             server.set_goodput(93)  # a percentage
         with pytest.raises(ValueError, match=r"phases=\['fwd'\]. Allowed: data, compute"):
-            server.update_rank(0, "h", step=1, samples_per_s=1.0, phases={"fwd": 1.0},
-                               last_step_time=0.0)  # fmt: skip
+            server.update_rank(
+                0, "h", step=1, samples_per_s=1.0, phases={"fwd": 1.0}, last_step_time=0.0
+            )
         with pytest.raises(ValueError, match="n=-1"):
             server.count_event("straggler", -1)
 
@@ -210,8 +211,12 @@ def test_mlflow_local_store_holds_config_epochs_and_summary(tmp_path, no_tracker
     (run,) = client.search_runs([experiment.experiment_id])
     assert run.info.status == "FINISHED" and run.info.run_name == "run-1"
     assert run.data.params == {
-        "lr": "0.1", "epochs": "2", "strategy": "ddp", "model.hidden": "128", "note": "x" * 6000,
-    }  # fmt: skip
+        "lr": "0.1",
+        "epochs": "2",
+        "strategy": "ddp",
+        "model.hidden": "128",
+        "note": "x" * 6000,
+    }
     history = client.get_metric_history(run.info.run_id, "train_loss")
     assert [(m.step, m.value) for m in history] == [(1, 0.5), (2, 0.25)]
     assert run.data.metrics["summary/test_accuracy"] == 0.95
@@ -222,8 +227,9 @@ def test_mlflow_local_store_holds_config_epochs_and_summary(tmp_path, no_tracker
     assert trackers.locations["mlflow"].startswith(f"sqlite:///{tmp_path}/mlflow.db")
 
 
-def test_mlflow_takes_non_finite_values_and_the_users_tracking_uri(tmp_path, no_tracker_env,
-                                                                    monkeypatch):  # fmt: skip
+def test_mlflow_takes_non_finite_values_and_the_users_tracking_uri(
+    tmp_path, no_tracker_env, monkeypatch
+):
     mlflow = pytest.importorskip("mlflow", reason="mlflow is not installed")
     uri = f"sqlite:///{tmp_path}/elsewhere.db"
     monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)
@@ -301,17 +307,28 @@ def test_wandb_offline_run_holds_config_epochs_and_summary_and_touches_no_networ
         trap.setblocking(False)
         url = f"http://127.0.0.1:{trap.getsockname()[1]}"
         env = {k: v for k, v in os.environ.items() if not k.startswith("WANDB_")}
-        env.update(WANDB_BASE_URL=url, HTTP_PROXY=url, HTTPS_PROXY=url, http_proxy=url,
-                   https_proxy=url, WANDB_DISABLE_CODE="true", WANDB_DIR=str(tmp_path),
-                   WANDB_CONFIG_DIR=str(tmp_path / "config"),
-                   WANDB_CACHE_DIR=str(tmp_path / "cache"),
-                   WANDB_DATA_DIR=str(tmp_path / "data"))  # fmt: skip
+        env.update(
+            WANDB_BASE_URL=url,
+            HTTP_PROXY=url,
+            HTTPS_PROXY=url,
+            http_proxy=url,
+            https_proxy=url,
+            WANDB_DISABLE_CODE="true",
+            WANDB_DIR=str(tmp_path),
+            WANDB_CONFIG_DIR=str(tmp_path / "config"),
+            WANDB_CACHE_DIR=str(tmp_path / "cache"),
+            WANDB_DATA_DIR=str(tmp_path / "data"),
+        )
         env.pop("NO_PROXY", None)
         env.pop("no_proxy", None)
         child = subprocess.run(
             [sys.executable, "-c", WANDB_CHILD, str(tmp_path / "out")],
-            env=env, cwd=tmp_path, capture_output=True, text=True, timeout=60,
-        )  # fmt: skip
+            env=env,
+            cwd=tmp_path,
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
         assert child.returncode == 0, child.stderr
         with pytest.raises(BlockingIOError):  # nothing connected, exit included
             trap.accept()

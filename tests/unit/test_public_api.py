@@ -110,8 +110,10 @@ def _documented_parameters(signature: str) -> list[tuple[str, object]]:
     defaults = [NO_DEFAULT] * (len(positional) - len(args.defaults)) + list(args.defaults)
     params = [(a.arg, d) for a, d in zip(positional, defaults, strict=True)]
     params += [("*" + args.vararg.arg, NO_DEFAULT)] if args.vararg else []
-    params += [("kw " + a.arg, NO_DEFAULT if d is None else d)
-               for a, d in zip(args.kwonlyargs, args.kw_defaults, strict=True)]  # fmt: skip
+    params += [
+        ("kw " + a.arg, NO_DEFAULT if d is None else d)
+        for a, d in zip(args.kwonlyargs, args.kw_defaults, strict=True)
+    ]
     params += [("**" + args.kwarg.arg, NO_DEFAULT)] if args.kwarg else []
 
     def literal(node: object) -> object:

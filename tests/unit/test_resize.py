@@ -22,8 +22,9 @@ from ddpkit.errors import ConfigError
 
 
 def _runtime(rank: int, world_size: int) -> Runtime:
-    info = ProcessInfo(rank=rank, world_size=world_size, local_world_size=world_size,
-                       local_rank=rank)  # fmt: skip
+    info = ProcessInfo(
+        rank=rank, world_size=world_size, local_world_size=world_size, local_rank=rank
+    )
     return Runtime(info, backend=None, device=torch.device("cpu"))
 
 
@@ -32,7 +33,7 @@ def _loaders(num_samples, world_size, batch_size, **kwargs):
     return [
         ddpkit.build_train_loader(
             data, _runtime(r, world_size), batch_size=batch_size, seed=5, **kwargs
-        )  # fmt: skip
+        )
         for r in range(world_size)
     ]
 
@@ -101,8 +102,7 @@ RESIZES = [
 
 
 @pytest.mark.parametrize("num_samples,old_ws,old_b,new_ws,new_b", RESIZES)
-def test_resize_sees_every_remaining_sample_exactly_once(num_samples, old_ws, old_b, new_ws,
-                                                         new_b):  # fmt: skip
+def test_resize_sees_every_remaining_sample_exactly_once(num_samples, old_ws, old_b, new_ws, new_b):
     uninterrupted = _global_batches(_loaders(num_samples, old_ws, old_b))
     order = _epoch_order(num_samples, 0)
     for cut in range(1, len(uninterrupted)):

@@ -99,19 +99,27 @@ _SLURM_STEP = {  # what srun gave each task of `srun -n 2` on one node (slurm-wl
     "changes,expected",
     [
         ({}, {"MASTER_PORT": "20019", "MASTER_ADDR": "127.0.0.1", "GLOO_SOCKET_IFNAME": "lo"}),
-        ({"SLURM_STEP_RESV_PORTS": "12000"}, {"MASTER_PORT": "12000", "MASTER_ADDR": "127.0.0.1",
-                                              "GLOO_SOCKET_IFNAME": "lo"}),
+        (
+            {"SLURM_STEP_RESV_PORTS": "12000"},
+            {"MASTER_PORT": "12000", "MASTER_ADDR": "127.0.0.1", "GLOO_SOCKET_IFNAME": "lo"},
+        ),
         # no reserved ports (slurm.conf without MpiParams=ports): the port is not guessed
         ({"SLURM_STEP_RESV_PORTS": None}, {"MASTER_ADDR": "127.0.0.1", "GLOO_SOCKET_IFNAME": "lo"}),
         # exported by the job: kept, and gloo's interface is the job's business then
         ({"MASTER_ADDR": "127.0.0.2", "MASTER_PORT": "2950"}, {}),
         ({"GLOO_SOCKET_IFNAME": "eth0"}, {"MASTER_PORT": "20019", "MASTER_ADDR": "127.0.0.1"}),
         # two nodes: rank 0's address is not guessed, the reserved port is the same everywhere
-        ({"SLURM_STEP_NUM_NODES": "2", "SLURM_STEP_TASKS_PER_NODE": "1(x2)",
-          "SLURM_NODEID": "1", "SLURM_LOCALID": "0"},
-         {"MASTER_PORT": "20019"}),
+        (
+            {
+                "SLURM_STEP_NUM_NODES": "2",
+                "SLURM_STEP_TASKS_PER_NODE": "1(x2)",
+                "SLURM_NODEID": "1",
+                "SLURM_LOCALID": "0",
+            },
+            {"MASTER_PORT": "20019"},
+        ),
     ],
-)  # fmt: skip
+)
 def test_slurm_rendezvous_defaults(changes, expected):
     environ = {**_SLURM_STEP, **changes}
     environ = {name: value for name, value in environ.items() if value is not None}
@@ -123,8 +131,13 @@ def test_slurm_rendezvous_defaults(changes, expected):
 def test_slurm_rendezvous_defaults_only_under_an_srun_step():
     torchrun = {**_SLURM_STEP, "RANK": "1", "WORLD_SIZE": "2", "LOCAL_RANK": "1"}
     assert slurm_rendezvous_defaults(detect_process_info(torchrun), torchrun) == {}
-    one_task = {**_SLURM_STEP, "SLURM_PROCID": "0", "SLURM_LOCALID": "0",
-                "SLURM_NTASKS": "1", "SLURM_STEP_NUM_TASKS": "1"}  # fmt: skip
+    one_task = {
+        **_SLURM_STEP,
+        "SLURM_PROCID": "0",
+        "SLURM_LOCALID": "0",
+        "SLURM_NTASKS": "1",
+        "SLURM_STEP_NUM_TASKS": "1",
+    }
     assert slurm_rendezvous_defaults(detect_process_info(one_task), one_task) == {}
 
 
@@ -141,9 +154,12 @@ def test_world_size_without_a_launcher_is_refused_not_run_as_one_process(tmp_pat
     script.write_text("import ddpkit\nwith ddpkit.init_runtime('gloo') as rt:\n    print(rt)\n")
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "LOCAL_RANK", "SLURM_PROCID")}
     done = subprocess.run(
-        [sys.executable, str(script)], env={**env, "WORLD_SIZE": "4"}, capture_output=True,
-        text=True, timeout=120,
-    )  # fmt: skip
+        [sys.executable, str(script)],
+        env={**env, "WORLD_SIZE": "4"},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert done.returncode != 0 and done.stdout == "", done
     assert (
         "ConfigError: WORLD_SIZE=4 is set but RANK is not, so no launcher started this process "

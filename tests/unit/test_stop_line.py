@@ -15,10 +15,18 @@ SPEC = LaunchSpec(target=["train.py"], nproc=2, resume_command="ddpkit run -n 2 
 
 def _record(run_dir, rank: int, *, step=250, now=False, sig="SIGTERM", saved=True, time_s=1.0):
     record = StopRecord(
-        rank=rank, world_size=2, restart=0, pid=100 + rank, signal=sig, now=now,
-        step=None if now else step, checkpoint=f"{run_dir}/ck/step-{step:08d}", saved=saved,
-        note="", time_s=time_s,
-    )  # fmt: skip
+        rank=rank,
+        world_size=2,
+        restart=0,
+        pid=100 + rank,
+        signal=sig,
+        now=now,
+        step=None if now else step,
+        checkpoint=f"{run_dir}/ck/step-{step:08d}",
+        saved=saved,
+        note="",
+        time_s=time_s,
+    )
     (run_dir / f"stop-r0-rank{rank}.json").write_text(json.dumps(asdict(record)))
 
 
@@ -96,10 +104,16 @@ def test_torchrun_handles_its_own_signals_and_the_stop_signals():
 
 def _peer_ended(run_dir, rank: int, *, time_s: float) -> None:
     failure = FailureRecord(
-        rank=rank, local_rank=rank, world_size=2, restart=0, type="DistributedError",
+        rank=rank,
+        local_rank=rank,
+        world_size=2,
+        restart=0,
+        type="DistributedError",
         message="all_gather_object failed on rank 0/2: a peer's process ended during it\nmore",
-        traceback="", time_s=time_s, pid=100 + rank,
-    )  # fmt: skip
+        traceback="",
+        time_s=time_s,
+        pid=100 + rank,
+    )
     (run_dir / f"failure-r0-rank{rank}.json").write_text(json.dumps(asdict(failure)))
 
 

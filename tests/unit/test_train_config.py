@@ -13,9 +13,16 @@ from ddpkit.settings import read_toml, to_toml
 
 # the hand-written list of resume_settings before the keys were marked on the fields
 OLD_RESUME_KEYS = (
-    "epochs", "batch_size", "lr", "optimizer", "seed", "max_steps", "sync_every", "grad_accum",
+    "epochs",
+    "batch_size",
+    "lr",
+    "optimizer",
+    "seed",
+    "max_steps",
+    "sync_every",
+    "grad_accum",
     "precision",
-)  # fmt: skip
+)
 
 
 def _old_resume_settings(config: TrainConfig) -> dict:
@@ -37,7 +44,7 @@ def _old_resume_settings(config: TrainConfig) -> dict:
             grad_accum=2,
             precision="bf16-mixed",
             nproc=3,
-        ),  # fmt: skip
+        ),
     ],
 )
 def test_resume_keys_are_the_old_list(config):
@@ -48,26 +55,47 @@ def test_resume_keys_are_the_old_list(config):
 
 # (flat settings, world size or None, the words the one error must hold)
 RULES = [
-    ({"precision": "16-mixed", "on_nonfinite": "skip"}, None,
-     "precision='16-mixed' with on_nonfinite='skip'. The loss scaler already skips"),
-    ({"static_graph": True, "grad_accum": 2}, None,
-     "static_graph=True with grad_accum=2. torch's DDP breaks no_sync"),
-    ({"sync_every": 2, "grad_compression": "fp16"}, None,
-     "sync_every=2 with grad_compression='fp16'. Local SGD sends no gradients"),
-    ({"sync_every": 2, "static_graph": True}, None,
-     "sync_every=2 with static_graph=True. DDP fails in static-graph mode"),
+    (
+        {"precision": "16-mixed", "on_nonfinite": "skip"},
+        None,
+        "precision='16-mixed' with on_nonfinite='skip'. The loss scaler already skips",
+    ),
+    (
+        {"static_graph": True, "grad_accum": 2},
+        None,
+        "static_graph=True with grad_accum=2. torch's DDP breaks no_sync",
+    ),
+    (
+        {"sync_every": 2, "grad_compression": "fp16"},
+        None,
+        "sync_every=2 with grad_compression='fp16'. Local SGD sends no gradients",
+    ),
+    (
+        {"sync_every": 2, "static_graph": True},
+        None,
+        "sync_every=2 with static_graph=True. DDP fails in static-graph mode",
+    ),
     ({"sync_every": 2, "join": True}, None, "sync_every=2 with join=True. Join cannot stand in"),
-    ({"sync_every": 4, "check_replicas_every": 6}, None,
-     "check_replicas_every=6 with sync_every=4. It must be a multiple of sync_every"),
-    ({"sync_every": 4, "checkpoint_every": 10}, None,
-     "checkpoint_every=10 with sync_every=4. It must be a multiple of sync_every"),
+    (
+        {"sync_every": 4, "check_replicas_every": 6},
+        None,
+        "check_replicas_every=6 with sync_every=4. It must be a multiple of sync_every",
+    ),
+    (
+        {"sync_every": 4, "checkpoint_every": 10},
+        None,
+        "checkpoint_every=10 with sync_every=4. It must be a multiple of sync_every",
+    ),
     ({"strategy": "single"}, 2, "strategy='single' with world_size=2. It runs in one process"),
     ({"strategy": "dp", "nproc": 3}, None, "strategy='dp' with world_size=3. It runs in one"),
     ({"strategy": "ddp"}, 1, "strategy='ddp' with world_size=1. It needs 2 or more processes"),
-    ({"grad_compression": "fp16", "sync_batchnorm": True}, 1,
-     "grad_compression='fp16', sync_batchnorm=True with strategy='single' (world_size=1). "
-     "These configure DDP's gradient sync"),
-]  # fmt: skip
+    (
+        {"grad_compression": "fp16", "sync_batchnorm": True},
+        1,
+        "grad_compression='fp16', sync_batchnorm=True with strategy='single' (world_size=1). "
+        "These configure DDP's gradient sync",
+    ),
+]
 
 
 @pytest.mark.parametrize("settings,world_size,expected", RULES)
@@ -115,8 +143,15 @@ def test_wrong_types_from_python_are_refused():
 
 
 def test_toml_round_trip_gives_the_same_config_bitwise(tmp_path):
-    config = TrainConfig(lr=0.1 + 0.2, grad_accum=3, bucket_cap_mb=2.5, step_timing=False,
-                         resume="auto", download=False, data_dir="/some where/\"q\"")  # fmt: skip
+    config = TrainConfig(
+        lr=0.1 + 0.2,
+        grad_accum=3,
+        bucket_cap_mb=2.5,
+        step_timing=False,
+        resume="auto",
+        download=False,
+        data_dir='/some where/"q"',
+    )
     path = tmp_path / "run.toml"
     path.write_text(to_toml(config, SECTIONS))
     assert TrainConfig(**read_toml(path, SECTIONS)) == config

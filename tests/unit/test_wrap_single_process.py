@@ -24,8 +24,13 @@ def _cnn() -> nn.Module:
 
 def test_ddp_options_at_one_process_are_a_no_op_with_one_info_line(caplog):
     net = _cnn()
-    options = {"sync_batchnorm": True, "grad_compression": "fp16", "bucket_cap_mb": 5,
-               "find_unused_parameters": True, "static_graph": True}  # fmt: skip
+    options = {
+        "sync_batchnorm": True,
+        "grad_compression": "fp16",
+        "bucket_cap_mb": 5,
+        "find_unused_parameters": True,
+        "static_graph": True,
+    }
     with caplog.at_level(logging.INFO, logger="ddpkit"):
         model = ddpkit.wrap_model(net, SINGLE, comm_stats=ddpkit.CommStats(), **options)
     assert model is net and type(model[1]) is nn.BatchNorm2d  # not converted, not wrapped

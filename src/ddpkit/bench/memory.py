@@ -61,10 +61,16 @@ COLUMNS = (
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     defaults = MemorySettings()
-    parser.add_argument("--max-nproc", type=int, default=3, metavar="N",
-                        help="measure 1..N processes (default 3)")  # fmt: skip
-    parser.add_argument("--strategies", nargs="+", default=list(STRATEGIES), metavar="S",
-                        help=f"of {', '.join(STRATEGIES)} (default: all)")  # fmt: skip
+    parser.add_argument(
+        "--max-nproc", type=int, default=3, metavar="N", help="measure 1..N processes (default 3)"
+    )
+    parser.add_argument(
+        "--strategies",
+        nargs="+",
+        default=list(STRATEGIES),
+        metavar="S",
+        help=f"of {', '.join(STRATEGIES)} (default: all)",
+    )
     for flag, value, help_text in (
         ("--width", defaults.width, "features of each Linear layer"),
         ("--depth", defaults.depth, "Linear(width, width) layers"),
@@ -73,10 +79,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         ("--warmup", defaults.num_warmup_steps, "untimed steps before them"),
         ("--rounds", 3, "rounds; each runs every strategy and size once, rotated"),
     ):
-        parser.add_argument(flag, type=int, default=value, metavar="N",
-                            help=f"{help_text} (default {value})")  # fmt: skip
-    parser.add_argument("--timeout", type=float, default=defaults.timeout_s, metavar="SECONDS",
-                        help="one run is killed after this many seconds")  # fmt: skip
+        parser.add_argument(
+            flag, type=int, default=value, metavar="N", help=f"{help_text} (default {value})"
+        )
+    parser.add_argument(
+        "--timeout",
+        type=float,
+        default=defaults.timeout_s,
+        metavar="SECONDS",
+        help="one run is killed after this many seconds",
+    )
     parser.add_argument("--json", action="store_true", help="print one JSON object instead")
     parser.add_argument("--csv", metavar="PATH", help="also write the rows as CSV to PATH")
 
@@ -88,10 +100,15 @@ def _settings(args: argparse.Namespace) -> MemorySettings:
         ConfigError: every bad value in one line.
     """
     problems = [f"unknown strategy {s!r}" for s in args.strategies if s not in STRATEGIES]
-    for flag, value, least in (("--max-nproc", args.max_nproc, 1), ("--width", args.width, 1),
-                               ("--depth", args.depth, 1), ("--batch-size", args.batch_size, 1),
-                               ("--steps", args.steps, 1), ("--warmup", args.warmup, 1),
-                               ("--rounds", args.rounds, 1)):  # fmt: skip
+    for flag, value, least in (
+        ("--max-nproc", args.max_nproc, 1),
+        ("--width", args.width, 1),
+        ("--depth", args.depth, 1),
+        ("--batch-size", args.batch_size, 1),
+        ("--steps", args.steps, 1),
+        ("--warmup", args.warmup, 1),
+        ("--rounds", args.rounds, 1),
+    ):
         if value < least:
             problems.append(f"{flag} {value} must be >= {least}")
     if not args.timeout > 0:
@@ -104,10 +121,14 @@ def _settings(args: argparse.Namespace) -> MemorySettings:
             f"{', '.join(STRATEGIES)} (--warmup >= 1: the optimizer state exists after a step)."
         )
     return MemorySettings(
-        width=args.width, depth=args.depth, batch_size=args.batch_size, num_steps=args.steps,
-        num_warmup_steps=args.warmup, num_threads=default_num_threads(args.max_nproc),
+        width=args.width,
+        depth=args.depth,
+        batch_size=args.batch_size,
+        num_steps=args.steps,
+        num_warmup_steps=args.warmup,
+        num_threads=default_num_threads(args.max_nproc),
         timeout_s=args.timeout,
-    )  # fmt: skip
+    )
 
 
 def run_one(strategy: str, nproc: int, settings: MemorySettings) -> dict:
@@ -117,16 +138,33 @@ def run_one(strategy: str, nproc: int, settings: MemorySettings) -> dict:
         DistributedError: a rank failed, died or timed out (one line naming the run).
     """
     ranks = run_ranks(
-        memory_worker, nproc, args=(strategy, settings), timeout_s=settings.timeout_s,
-        pg_timeout_s=min(settings.timeout_s, 300.0), what=strategy,
+        memory_worker,
+        nproc,
+        args=(strategy, settings),
+        timeout_s=settings.timeout_s,
+        pg_timeout_s=min(settings.timeout_s, 300.0),
+        what=strategy,
         hint="Rerun it alone with --strategies and --max-nproc to see it.",
-    )  # fmt: skip
-    largest = {k: max(r[k] for r in ranks) for k in ("param_bytes", "grad_bytes",
-               "optimizer_bytes", "peak_rss_mib", "rss_start_mib", "rss_end_mib")}  # fmt: skip
+    )
+    largest = {
+        k: max(r[k] for r in ranks)
+        for k in (
+            "param_bytes",
+            "grad_bytes",
+            "optimizer_bytes",
+            "peak_rss_mib",
+            "rss_start_mib",
+            "rss_end_mib",
+        )
+    }
     comm = sum(ranks[0]["comm_bytes_per_step"].values())
     samples = nproc * settings.batch_size * settings.num_steps
-    return {**largest, "comm_bytes_per_step": comm, "comm_by_op": ranks[0]["comm_bytes_per_step"],
-            "samples_per_s": samples / max(r["seconds"] for r in ranks)}  # fmt: skip
+    return {
+        **largest,
+        "comm_bytes_per_step": comm,
+        "comm_by_op": ranks[0]["comm_bytes_per_step"],
+        "samples_per_s": samples / max(r["seconds"] for r in ranks),
+    }
 
 
 def _runs(strategies: list[str], max_nproc: int) -> list[tuple[str, int]]:
@@ -142,8 +180,10 @@ def measure_rss(runs: list[tuple[str, int]], settings: MemorySettings) -> dict:
     for strategy, nproc in runs:
         result = run_one(strategy, nproc, held)
         rss[(strategy, nproc)] = {k: result[k] for k in ("peak_rss_mib", "rss_end_mib")}
-        print(f"memory run: {strategy} x {nproc}: peak RSS {result['peak_rss_mib']:.0f} MiB",
-              file=sys.stderr)  # fmt: skip
+        print(
+            f"memory run: {strategy} x {nproc}: peak RSS {result['peak_rss_mib']:.0f} MiB",
+            file=sys.stderr,
+        )
     return rss
 
 
@@ -154,8 +194,10 @@ def measure(runs: list[tuple[str, int]], settings: MemorySettings, rounds: int) 
         for strategy, nproc in rotated(runs, index):
             results[(strategy, nproc)] = run_one(strategy, nproc, settings)
             rate = results[(strategy, nproc)]["samples_per_s"]
-            print(f"round {index + 1}/{rounds}: {strategy} x {nproc}: {rate:.2f} samples/s",
-                  file=sys.stderr)  # fmt: skip
+            print(
+                f"round {index + 1}/{rounds}: {strategy} x {nproc}: {rate:.2f} samples/s",
+                file=sys.stderr,
+            )
         per_round.append(results)
     return per_round
 
@@ -168,8 +210,10 @@ def summarize(per_round: list[dict], runs: list[tuple[str, int]], rss: dict) -> 
     for strategy, nproc in runs:
         last = per_round[-1][(strategy, nproc)]
         row = {
-            "strategy": strategy, "nproc": nproc,
-            "param_mib": last["param_bytes"] / MIB, "grad_mib": last["grad_bytes"] / MIB,
+            "strategy": strategy,
+            "nproc": nproc,
+            "param_mib": last["param_bytes"] / MIB,
+            "grad_mib": last["grad_bytes"] / MIB,
             "optimizer_mib": last["optimizer_bytes"] / MIB,
             **rss[(strategy, nproc)],
             "peak_rss_mib_default_malloc": median(
@@ -178,7 +222,7 @@ def summarize(per_round: list[dict], runs: list[tuple[str, int]], rss: dict) -> 
             "comm_mib_per_step": last["comm_bytes_per_step"] / MIB,
             "comm_by_op_mib": {k: v / MIB for k, v in last["comm_by_op"].items()},
             "samples_per_s": median([r[(strategy, nproc)]["samples_per_s"] for r in per_round]),
-        }  # fmt: skip
+        }
         reference = ("ddp", nproc) if ("ddp", nproc) in runs else None
         if reference is not None:
             ddp = per_round[-1][reference]
@@ -203,12 +247,16 @@ def goals(rows: list[dict]) -> list[str]:
         n, limit = row["nproc"], 1 / row["nproc"] + GOAL_SLACK
         if row["strategy"] == "fsdp" and "state_fraction_of_ddp" in row:
             value = row["state_fraction_of_ddp"]
-            lines.append(f"fsdp x {n}: params+grads+optimizer {value:.3f} of ddp's (goal <= "
-                         f"{limit:.3f}): {'met' if value <= limit else 'NOT met'}")  # fmt: skip
+            lines.append(
+                f"fsdp x {n}: params+grads+optimizer {value:.3f} of ddp's (goal <= "
+                f"{limit:.3f}): {'met' if value <= limit else 'NOT met'}"
+            )
         if row["strategy"] == "zero1" and "optimizer_fraction_of_ddp" in row:
             value = row["optimizer_fraction_of_ddp"]
-            lines.append(f"zero1 x {n}: optimizer state {value:.3f} of ddp's (goal <= "
-                         f"{limit:.3f}): {'met' if value <= limit else 'NOT met'}")  # fmt: skip
+            lines.append(
+                f"zero1 x {n}: optimizer state {value:.3f} of ddp's (goal <= "
+                f"{limit:.3f}): {'met' if value <= limit else 'NOT met'}"
+            )
     return lines
 
 
@@ -221,11 +269,17 @@ def run(args: argparse.Namespace) -> int:
     rss = measure_rss(runs, settings)
     per_round = measure(runs, settings, args.rounds)
     rows = summarize(per_round, runs, rss)
-    record = {"width": settings.width, "depth": settings.depth,
-              "num_parameters": settings.num_parameters, "batch_size_per_rank":
-              settings.batch_size, "num_steps": settings.num_steps, "num_warmup_steps":
-              settings.num_warmup_steps, "rounds": args.rounds,
-              "omp_num_threads": settings.num_threads, "optimizer": "adamw"}  # fmt: skip
+    record = {
+        "width": settings.width,
+        "depth": settings.depth,
+        "num_parameters": settings.num_parameters,
+        "batch_size_per_rank": settings.batch_size,
+        "num_steps": settings.num_steps,
+        "num_warmup_steps": settings.num_warmup_steps,
+        "rounds": args.rounds,
+        "omp_num_threads": settings.num_threads,
+        "optimizer": "adamw",
+    }
     if args.csv:
         keys = [key for key, _, _ in COLUMNS] + ["optimizer_fraction_of_ddp"]
         write_csv(Path(args.csv), [{k: r.get(k) for k in keys} for r in rows])
@@ -234,11 +288,13 @@ def run(args: argparse.Namespace) -> int:
         print(json.dumps(payload, indent=2, allow_nan=False))
         return 0
     print(machine_line())
-    print(f"model: {settings.depth} x Linear({settings.width}, {settings.width}) + ReLU = "
-          f"{settings.num_parameters / 1e6:.1f} M parameters, AdamW; batch "
-          f"{settings.batch_size} per rank, {settings.num_warmup_steps} warm-up + "
-          f"{settings.num_steps} timed steps, {args.rounds} round(s), "
-          f"OMP_NUM_THREADS={settings.num_threads}")  # fmt: skip
+    print(
+        f"model: {settings.depth} x Linear({settings.width}, {settings.width}) + ReLU = "
+        f"{settings.num_parameters / 1e6:.1f} M parameters, AdamW; batch "
+        f"{settings.batch_size} per rank, {settings.num_warmup_steps} warm-up + "
+        f"{settings.num_steps} timed steps, {args.rounds} round(s), "
+        f"OMP_NUM_THREADS={settings.num_threads}"
+    )
     print(format_table(rows, COLUMNS))
     for line in goals(rows):
         print(line)

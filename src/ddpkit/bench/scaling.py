@@ -96,8 +96,10 @@ def run(args: argparse.Namespace) -> int:
         for nproc in counts[shift:] + counts[:shift]:
             rate = steploop.run_form(args.form, nproc, settings)["samples_per_s"]
             rates[nproc].append(rate)
-            print(f"round {index + 1}/{args.rounds}: {nproc} process(es) {rate:.1f} samples/s",
-                  file=sys.stderr)  # fmt: skip
+            print(
+                f"round {index + 1}/{args.rounds}: {nproc} process(es) {rate:.1f} samples/s",
+                file=sys.stderr,
+            )
     rows = scaling_rows(rates)
     record = {**options.settings_record(settings, args.rounds), "form": args.form}
     if args.csv:

@@ -121,10 +121,14 @@ def run_form(form: str, nproc: int, settings: StepLoopSettings) -> dict:
         DistributedError: a rank failed, died or timed out; one line naming the form.
     """
     results = run_ranks(
-        form_worker, nproc, args=(form, settings), timeout_s=settings.timeout_s,
-        pg_timeout_s=min(settings.timeout_s, 120.0), what=f"form {form}",
+        form_worker,
+        nproc,
+        args=(form, settings),
+        timeout_s=settings.timeout_s,
+        pg_timeout_s=min(settings.timeout_s, 120.0),
+        what=f"form {form}",
         hint="Rerun that form alone to see it (ddpkit bench overhead --forms ...).",
-    )  # fmt: skip
+    )
     seconds = [result["seconds"] for result in results]
     samples = nproc * settings.batch_size * settings.num_steps
     return {
@@ -300,9 +304,12 @@ def _ddpkit_form(
     from ddpkit.training.step import TrainStep
 
     config = TrainConfig(
-        batch_size=settings.batch_size, lr=settings.lr, seed=settings.seed,
-        grad_compression=compression, sync_every=sync_every,
-    )  # fmt: skip
+        batch_size=settings.batch_size,
+        lr=settings.lr,
+        seed=settings.seed,
+        grad_compression=compression,
+        sync_every=sync_every,
+    )
     stall_timeout_s = 300.0  # `ddpkit train`'s default: the watchdog is on
     with init_runtime("auto", store=store, stall_timeout_s=stall_timeout_s) as runtime:
         torch.manual_seed(config.seed)
@@ -311,10 +318,13 @@ def _ddpkit_form(
         # the step `ddpkit train` runs, at its defaults (no non-finite guard); untimed, as the
         # other forms are
         step = TrainStep(
-            model, optimizer, runtime=runtime, num_micro_steps=config.grad_accum,
+            model,
+            optimizer,
+            runtime=runtime,
+            num_micro_steps=config.grad_accum,
             precision=MixedPrecision(config.precision, runtime),
             clip_grad_norm=config.clip_grad_norm,
-        )  # fmt: skip
+        )
         seconds = timed_steps(iter(step.windows(loader)), step, settings)
         return _result(model, seconds)
 

@@ -150,8 +150,9 @@ class AsyncShardedSaves:
             error, folder = None, flight.directory / checkpoint_dir_name(flight.step)
             if runtime.is_rank_zero:
                 try:
-                    commit_checkpoint(flight.tmp, flight.directory, flight.step, None,
-                                      flight.meta, files)  # fmt: skip
+                    commit_checkpoint(
+                        flight.tmp, flight.directory, flight.step, None, flight.meta, files
+                    )
                     flight.prune()
                 except Exception as exc:  # noqa: BLE001 - every rank must learn of it
                     error = error_text(exc)

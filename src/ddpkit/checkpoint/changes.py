@@ -59,11 +59,12 @@ def check_module_fits(folder: Path, name: str, module: torch.nn.Module, saved: d
     parts = [
         f"{len(found)} {what}: {_listed(found)}"
         for what, found in (
-            ("of another shape", reshaped), ("missing from the checkpoint", missing),
+            ("of another shape", reshaped),
+            ("missing from the checkpoint", missing),
             ("not in the model", unexpected),
         )
         if found
-    ]  # fmt: skip
+    ]
     raise DataError(
         f"checkpoint {folder} does not fit state[{name!r}] ({type(target).__name__}): "
         f"{'; '.join(parts)}. The model changed since it was saved: resume with the model it "

@@ -92,8 +92,10 @@ def _warn_unlocked(directory: Path, exc: OSError) -> None:
         _warned.add(directory)
         log.warning(
             "checkpoint folder %s: its file system has no flock (%s): one job per folder is "
-            "not enforced there; make sure no other job writes it.", directory, exc.strerror,
-        )  # fmt: skip
+            "not enforced there; make sure no other job writes it.",
+            directory,
+            exc.strerror,
+        )
 
 
 def check_unlocked(directory: Path) -> None:

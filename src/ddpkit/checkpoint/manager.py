@@ -337,14 +337,25 @@ class CheckpointManager:
         if sharded and self.async_save:
             self._async = self._async or AsyncShardedSaves(self.runtime, self._committed)
             folder = self._async.start(
-                self.directory, managed, sharded, step,
-                replicated=replicated, meta=self._meta(found), prune=self._prune,
-            )  # fmt: skip
+                self.directory,
+                managed,
+                sharded,
+                step,
+                replicated=replicated,
+                meta=self._meta(found),
+                prune=self._prune,
+            )
         elif sharded:
             folder = save_sharded(
-                self.runtime, self.directory, managed, sharded, step,
-                replicated=replicated, meta=self._meta(found), prune=self._prune,
-            )  # fmt: skip
+                self.runtime,
+                self.directory,
+                managed,
+                sharded,
+                step,
+                replicated=replicated,
+                meta=self._meta(found),
+                prune=self._prune,
+            )
         else:
             if self.runtime.is_rank_zero:
                 try:
@@ -532,8 +543,10 @@ class CheckpointManager:
             live.join_as_replacement()
             log.info(
                 "healed from a live peer at step %d (quorum %d, world size %d)",
-                live.step, live.quorum.number if live.quorum else 0, self.runtime.world_size,
-            )  # fmt: skip
+                live.step,
+                live.quorum.number if live.quorum else 0,
+                self.runtime.world_size,
+            )
             return live.step
         step = self._resume(path)
         if live is not None:
@@ -545,7 +558,8 @@ class CheckpointManager:
         self._unreadable = {}
         if path is not None:
             found: tuple[Path, dict[str, Any]] | None = (
-                Path(path), load_checkpoint(Path(path), unsafe_pickle=self.unsafe_pickle)
+                Path(path),
+                load_checkpoint(Path(path), unsafe_pickle=self.unsafe_pickle),
             )
         else:
             found = self.load_latest()
@@ -586,14 +600,19 @@ class CheckpointManager:
             except OSError as exc:  # rank 0 alone: never fail here while the peers wait
                 log.warning(
                     "checkpoint %s (%s) could not be moved aside (%s) and stays where it is: "
-                    "move or delete it before the next resume.", newer.name, why, exc,
-                )  # fmt: skip
+                    "move or delete it before the next resume.",
+                    newer.name,
+                    why,
+                    exc,
+                )
                 continue
             log.warning(
                 "checkpoint %s (%s) moved to %s: nothing was deleted; resume it with "
                 "resume(path) once it reads again, or delete it when you no longer need it.",
-                newer.name, why, aside,
-            )  # fmt: skip
+                newer.name,
+                why,
+                aside,
+            )
 
     def _heal_payload(self) -> dict[str, Any]:
         """Live fault tolerance, on the member that heals a replacement: the managed state as a
@@ -661,8 +680,11 @@ class CheckpointManager:
                     "resuming %s: state[%r]'s settings differ from the checkpoint's (%s); the "
                     "checkpoint's are restored (torch's load_state_dict). To train with yours, "
                     "set them in %s.param_groups after resume().",
-                    folder.name, name, "; ".join(changed), name,
-                )  # fmt: skip
+                    folder.name,
+                    name,
+                    "; ".join(changed),
+                    name,
+                )
         rng = restore_rng_state(rng_per_rank, self.runtime.rank, world_size, step=state["step"])
         if saved_world_size == world_size:
             return ""

@@ -98,8 +98,10 @@ def check_saved_state(folder: Path, saved: Mapping[str, Any], state: Mapping[str
     if left:
         log.warning(
             "checkpoint %s holds state not restored: %s. Add them to CheckpointManager(state=...) "
-            "to restore them.", folder.name, ", ".join(f"state[{n!r}]" for n in left),
-        )  # fmt: skip
+            "to restore them.",
+            folder.name,
+            ", ".join(f"state[{n!r}]" for n in left),
+        )
 
 
 LOCAL_SGD_NOTE = (

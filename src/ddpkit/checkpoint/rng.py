@@ -74,7 +74,10 @@ def restore_rng_state(saved: list[dict[str, Any]], rank: int, world_size: int, *
     set_rng_state(state)
     said = [f"{', '.join(shared)} as the {len(saved)} saved ranks shared it"] if shared else []
     if own:
-        rest = (f"{_ranks(kept, world_size - 1)} seeded from (step, rank)" if world_size > kept
-                else f"saved {_ranks(kept, len(saved) - 1)} dropped")  # fmt: skip
+        rest = (
+            f"{_ranks(kept, world_size - 1)} seeded from (step, rank)"
+            if world_size > kept
+            else f"saved {_ranks(kept, len(saved) - 1)} dropped"
+        )
         said.append(f"{', '.join(own)} per rank ({_ranks(0, kept - 1)} their own, {rest})")
     return "RNG states: " + "; ".join(said)

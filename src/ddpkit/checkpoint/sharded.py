@@ -122,10 +122,12 @@ def _param_groups(optimizer: torch.optim.Optimizer) -> list[dict[str, Any]]:
     """The groups as ``Optimizer.state_dict()`` writes them: hyperparameters, global indices."""
     index = _parameter_index(optimizer)
     return [
-        {**{k: v for k, v in group.items() if k != "params"},
-         "params": [index[id(p)] for p in group["params"]]}
+        {
+            **{k: v for k, v in group.items() if k != "params"},
+            "params": [index[id(p)] for p in group["params"]],
+        }
         for group in optimizer.param_groups
-    ]  # fmt: skip
+    ]
 
 
 def zero_shard_state(optimizer: Any) -> dict[str, Any]:
@@ -459,9 +461,12 @@ def safe_reader(folder: Path, unsafe_pickle: bool = False) -> tuple[Any, Any]:
 
 
 def load_sharded(
-    runtime: Runtime, folder: Path, state: Mapping[str, Any], saved: dict[str, str],
+    runtime: Runtime,
+    folder: Path,
+    state: Mapping[str, Any],
+    saved: dict[str, str],
     unsafe_pickle: bool = False,
-) -> None:  # fmt: skip
+) -> None:
     """Restore the entries ``saved`` (``{name: layout}``) from ``folder/dcp`` into ``state``,
     resharded for this world size. Collective: call on every rank (``dcp.load``); at world size
     1 no collective runs.
@@ -489,12 +494,18 @@ def load_sharded(
         load_in_this_process(template, reader, planner)
     else:
         with runtime.watch("torch.distributed.checkpoint.load"), refusals_unwrapped():
-            dcp.load(template, storage_reader=reader, planner=planner,
-                     process_group=runtime.process_group)  # fmt: skip
+            dcp.load(
+                template,
+                storage_reader=reader,
+                planner=planner,
+                process_group=runtime.process_group,
+            )
     if model_name is not None:
         set_state_dict(
-            model, optimizers, model_state_dict=template[model_name],
+            model,
+            optimizers,
+            model_state_dict=template[model_name],
             optim_state_dict=template[optim_name] if optim_name else {},
-        )  # fmt: skip
+        )
     for name in zero:
         _load_zero(state[name], template[name])

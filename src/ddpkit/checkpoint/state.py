@@ -124,15 +124,20 @@ def load_model_state(
         )
     if not result.missing_keys:
         log.warning(
-            "load into %s: all %d keys loaded; %d keys of the state were ignored (unexpected "
-            "%s).", name, len(target_keys), len(result.unexpected_keys),
+            "load into %s: all %d keys loaded; %d keys of the state were ignored (unexpected %s).",
+            name,
+            len(target_keys),
+            len(result.unexpected_keys),
             _listed(result.unexpected_keys),
-        )  # fmt: skip
+        )
         return result
     log.warning(
         "partial load into %s: %d of %d keys loaded; missing %s; unexpected %s. The missing "
         "ones keep their current values; pass strict=True to make this an error.",
-        name, len(target_keys) - len(result.missing_keys), len(target_keys),
-        _listed(result.missing_keys), _listed(result.unexpected_keys),
-    )  # fmt: skip
+        name,
+        len(target_keys) - len(result.missing_keys),
+        len(target_keys),
+        _listed(result.missing_keys),
+        _listed(result.unexpected_keys),
+    )
     return result

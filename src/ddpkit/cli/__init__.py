@@ -98,6 +98,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         if getattr(args, "_worker", False):
             raise
         where = f" {exc}" if str(exc) else ""  # ddpkit train: "after step 37 (epoch 1)"
-        print(f"ddpkit {args.command}: interrupted (Ctrl-C){where}; every process it started "
-              "is stopped.", file=sys.stderr)  # fmt: skip
+        print(
+            f"ddpkit {args.command}: interrupted (Ctrl-C){where}; every process it started "
+            "is stopped.",
+            file=sys.stderr,
+        )
         return 130

@@ -43,15 +43,18 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     )
     export.add_argument("--output", required=True, metavar="FILE", help="the .pt file to write")
     export.add_argument(
-        "--entry", default="model", metavar="NAME",
+        "--entry",
+        default="model",
+        metavar="NAME",
         help="the name the model was checkpointed under (default %(default)s)",
-    )  # fmt: skip
+    )
     export.add_argument(
-        "--unsafe-pickle", action="store_true",
+        "--unsafe-pickle",
+        action="store_true",
         help="UNSAFE: unpickle any object the checkpoint holds, running whatever code it "
         "says (only for a checkpoint you wrote and trust); default: tensors, numbers, strings, "
         "containers and numpy arrays only",
-    )  # fmt: skip
+    )
     export.set_defaults(handler=run)
 
 

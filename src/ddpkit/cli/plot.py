@@ -163,8 +163,9 @@ def _epoch_series(ax, x: list[float], y: list[float], style: str, label: str, fm
     """One value per epoch; a lone point gets its value written beside it."""
     ax.plot(x, y, style, label=label)
     if len(x) == 1 and y[0] == y[0]:
-        ax.annotate(format(y[0], fmt), (x[0], y[0]), xytext=(-8, 6), textcoords="offset points",
-                    ha="right")  # fmt: skip
+        ax.annotate(
+            format(y[0], fmt), (x[0], y[0]), xytext=(-8, 6), textcoords="offset points", ha="right"
+        )
 
 
 def _steps_per_epoch(epochs: list[dict]) -> float:
@@ -252,8 +253,13 @@ def draw_ranks(own, data, *, records: list[dict]) -> None:
         own.plot(steps, work, marker=".", label=label)
         data.plot(steps, [row["data_s"] * 1e3 for row in rows], marker=".", label=label)
     step_ms = [row["step_s"] * 1e3 for row in by_rank[min(by_rank)]]
-    own.plot([row["step"] for row in by_rank[min(by_rank)]], step_ms, "k--", alpha=0.5,
-             label="step (every rank waits for the slowest)")  # fmt: skip
+    own.plot(
+        [row["step"] for row in by_rank[min(by_rank)]],
+        step_ms,
+        "k--",
+        alpha=0.5,
+        label="step (every rank waits for the slowest)",
+    )
     own.set_title("own work per step by rank: a straggler stands above the others")
     own.set_ylabel("data + compute, ms per step")
     data.set_ylabel("data loading, ms per step")

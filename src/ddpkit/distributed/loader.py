@@ -64,8 +64,9 @@ def resumed_end(start: int, epoch_end: int, world_size: int, drop_last: bool) ->
     return start + rows * world_size
 
 
-def pass_batches(start: int, end: int, world_size: int, batch_size: int, drop_last: bool,
-                 max_batches: int | None) -> int:  # fmt: skip
+def pass_batches(
+    start: int, end: int, world_size: int, batch_size: int, drop_last: bool, max_batches: int | None
+) -> int:
     """This rank's batches in a pass over positions ``[start, end)``, ``max_batches`` counted
     from the epoch's start in global batches of ``batch_size * world_size`` samples."""
     per_rank = (end - start) // world_size
@@ -167,9 +168,12 @@ class ShardedLoader:
         if length is None:
             return None
         return stream_batches_per_rank(
-            length, self.stream.world_size, self.loader.num_workers, batch_size,
+            length,
+            self.stream.world_size,
+            self.loader.num_workers,
+            batch_size,
             self.loader.drop_last,
-        )  # fmt: skip
+        )
 
     def __len__(self) -> int:
         """Batches in one full pass (the whole shard, capped by ``max_batches``).
@@ -224,8 +228,9 @@ class ShardedLoader:
             start = position["samples_done"]
             end = resumed_end(start, position["epoch_samples"], world_size, drop_last)
         count = pass_batches(start, end, world_size, batch_size, drop_last, self.max_batches)
-        return _Pass(epoch, start // (batch_size * world_size), count, start, end,
-                     world_size=world_size)  # fmt: skip
+        return _Pass(
+            epoch, start // (batch_size * world_size), count, start, end, world_size=world_size
+        )
 
     def next_pass_size(self) -> tuple[int | None, int | None]:
         """``(batches, samples)`` of the next pass: this rank's batches and every rank's samples
@@ -264,8 +269,7 @@ class ShardedLoader:
         if self.sampler is None:
             return {"epoch": current.epoch, "batches_done": current.first + current.done, **meta}
         done = min(current.start + current.done * batch_size * current.world_size, current.end)
-        return {"epoch": current.epoch, "samples_done": done, "epoch_samples": current.end,
-                **meta}  # fmt: skip
+        return {"epoch": current.epoch, "samples_done": done, "epoch_samples": current.end, **meta}
 
     def _fresh(self, epoch: int) -> dict[str, int]:
         if self.sampler is None:
@@ -420,6 +424,7 @@ class ShardedLoader:
         if parts:
             listing = ", ".join(f"rank {r} {b}" for r, b in enumerate(sizes))
             log.warning(
-                "ranks use different batch sizes (%s): %s. Pass the same batch_size on every "
-                "rank.", listing, "; and ".join(parts),
-            )  # fmt: skip
+                "ranks use different batch sizes (%s): %s. Pass the same batch_size on every rank.",
+                listing,
+                "; and ".join(parts),
+            )

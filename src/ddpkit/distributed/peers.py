@@ -7,8 +7,14 @@ PEER_ENDED = ("Connection closed by peer", "Connection reset by peer")
 #: the peer is gone or silent (its socket closed, or nothing arrived within the timeout)
 LOST_PEER = (*PEER_ENDED, "Broken pipe", "Timed out waiting")
 #: ... and while a group is built or torn down (live fault tolerance reads these too)
-LOST_PEER_ANY = (*LOST_PEER, "Read error", "Write error", "Socket closed", "connectFullMesh",
-                 "Connection refused")  # fmt: skip
+LOST_PEER_ANY = (
+    *LOST_PEER,
+    "Read error",
+    "Write error",
+    "Socket closed",
+    "connectFullMesh",
+    "Connection refused",
+)
 #: ddpkit's own words for them (``Runtime.watch``'s DistributedError): a peer ended, went silent
 TOLD_ENDED, TOLD_SILENT = "a peer's process ended", "a peer stopped answering"
 

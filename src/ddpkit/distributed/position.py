@@ -34,11 +34,24 @@ _AUTOGRAD = os.path.join(_TORCH_DIR, "autograd", "graph.py")
 _DDP = os.path.join(_TORCH_DIR, "nn", "parallel", "distributed.py")
 
 #: c10d functions that every rank of the group must enter (the object variants call these)
-COLLECTIVES = frozenset({
-    "all_reduce", "all_reduce_coalesced", "all_gather", "all_gather_into_tensor",
-    "all_gather_coalesced", "reduce", "reduce_scatter", "reduce_scatter_tensor", "broadcast",
-    "gather", "scatter", "all_to_all", "all_to_all_single", "barrier",
-})  # fmt: skip
+COLLECTIVES = frozenset(
+    {
+        "all_reduce",
+        "all_reduce_coalesced",
+        "all_gather",
+        "all_gather_into_tensor",
+        "all_gather_coalesced",
+        "reduce",
+        "reduce_scatter",
+        "reduce_scatter_tensor",
+        "broadcast",
+        "gather",
+        "scatter",
+        "all_to_all",
+        "all_to_all_single",
+        "barrier",
+    }
+)
 _TENSOR_ARGS = ("tensor", "input_tensor", "input", "tensor_list", "input_tensor_list")
 
 # states of a position

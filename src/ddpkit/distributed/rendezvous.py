@@ -154,9 +154,12 @@ def connect_store(host: str, port: int, world_size: int, timeout_s: float) -> di
     def connect() -> None:  # torch's client waits past its timeout for a listener that is
         try:  # no store (it accepts, never answers): a thread, so that our deadline holds
             result["store"] = dist.TCPStore(
-                host, port, world_size, is_master=False,
+                host,
+                port,
+                world_size,
+                is_master=False,
                 timeout=datetime.timedelta(seconds=timeout_s),
-            )  # fmt: skip
+            )
         except BaseException as exc:  # handed to the caller below
             result["error"] = exc
 

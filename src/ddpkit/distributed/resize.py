@@ -62,9 +62,15 @@ def fit_global_batch(
         >>> fit_global_batch(128, 1, batch_size=64)
         (64, 2)
     """
-    bad = [p for p in (_positive("global_batch_size", global_batch_size),
-                       _positive("world_size", world_size),
-                       _positive("batch_size", batch_size)) if p]  # fmt: skip
+    bad = [
+        p
+        for p in (
+            _positive("global_batch_size", global_batch_size),
+            _positive("world_size", world_size),
+            _positive("batch_size", batch_size),
+        )
+        if p
+    ]
     if bad:
         raise ConfigError(
             f"invalid global batch: {', '.join(bad)}. Each must be a positive integer "

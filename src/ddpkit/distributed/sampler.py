@@ -141,8 +141,17 @@ def build_train_loader(
 
     def build() -> ShardedLoader:
         weighted = take_sampler(dataset, loader_kwargs, "build_train_loader")
-        return _build_local(dataset, runtime, batch_size, shuffle, seed, drop_last, max_batches,
-                            weighted, loader_kwargs)  # fmt: skip
+        return _build_local(
+            dataset,
+            runtime,
+            batch_size,
+            shuffle,
+            seed,
+            drop_last,
+            max_batches,
+            weighted,
+            loader_kwargs,
+        )
 
     loader, common, error = _local(build, dataset, runtime)
     sampler = None if loader is None else loader.sampler
@@ -157,8 +166,9 @@ def build_train_loader(
         "batches": None if loader is None or loader.full_pass_batches() is None else len(loader),
     }
     keys = _MUST_AGREE + (("num_workers",) if isinstance(dataset, IterableDataset) else ())
-    table = _agree_across_ranks(settings, runtime, keys, "build_train_loader",
-                                f"the train dataset ({describe(dataset)})")  # fmt: skip
+    table = _agree_across_ranks(
+        settings, runtime, keys, "build_train_loader", f"the train dataset ({describe(dataset)})"
+    )
     if error is not None:
         raise error  # this rank's own, once every rank knows it (none waits in the exchange)
     assert loader is not None
@@ -183,8 +193,11 @@ def _local(
     try:
         loader = build()
         fingerprint = dataset_fingerprint(dataset) if runtime.process_group is not None else None
-        return loader, {"problem": None, "len(dataset)": _length(dataset),
-                        "dataset": fingerprint}, None  # fmt: skip
+        return (
+            loader,
+            {"problem": None, "len(dataset)": _length(dataset), "dataset": fingerprint},
+            None,
+        )
     except Exception as exc:  # noqa: BLE001 - every rank must reach the settings exchange
         if runtime.process_group is None:
             raise
@@ -216,20 +229,32 @@ def _build_local(
     generator = torch.Generator()  # reseeded per pass; never the global RNG
     if isinstance(dataset, IterableDataset):
         _refuse_persistent_workers(loader_kwargs)
-        stream = ShardedStream(dataset, runtime.rank, runtime.world_size, pad=True,
-                               drop_last=drop_last, batch_size=batch_size)  # fmt: skip
-        torch_loader = DataLoader(stream, batch_size=batch_size, drop_last=drop_last,
-                                  generator=generator, **loader_kwargs)  # fmt: skip
+        stream = ShardedStream(
+            dataset,
+            runtime.rank,
+            runtime.world_size,
+            pad=True,
+            drop_last=drop_last,
+            batch_size=batch_size,
+        )
+        torch_loader = DataLoader(
+            stream, batch_size=batch_size, drop_last=drop_last, generator=generator, **loader_kwargs
+        )
         sampler = None
     else:
         stream = None
         sampler = _train_sampler(dataset, runtime, shuffle, seed, drop_last, weighted)
         torch_loader = DataLoader(
-            dataset, batch_size=batch_size, sampler=sampler, drop_last=drop_last,
-            generator=generator, **loader_kwargs,
-        )  # fmt: skip
-    loader = ShardedLoader(torch_loader, sampler, seed=seed, rank=runtime.rank, stream=stream,
-                           max_batches=max_batches)  # fmt: skip
+            dataset,
+            batch_size=batch_size,
+            sampler=sampler,
+            drop_last=drop_last,
+            generator=generator,
+            **loader_kwargs,
+        )
+    loader = ShardedLoader(
+        torch_loader, sampler, seed=seed, rank=runtime.rank, stream=stream, max_batches=max_batches
+    )
     if loader.full_pass_batches() == 0:
         per_rank = f" ({sampler.num_samples} samples per rank)" if sampler is not None else ""
         raise ConfigError(
@@ -243,11 +268,19 @@ def _build_local(
 
 
 def _train_sampler(
-    dataset: Dataset, runtime: Runtime, shuffle: bool, seed: int, drop_last: bool,
+    dataset: Dataset,
+    runtime: Runtime,
+    shuffle: bool,
+    seed: int,
+    drop_last: bool,
     weighted: WeightedRandomSampler | None,
-) -> ResumableDistributedSampler:  # fmt: skip
-    shard = {"num_replicas": runtime.world_size, "rank": runtime.rank, "seed": seed,
-             "drop_last": drop_last}  # fmt: skip
+) -> ResumableDistributedSampler:
+    shard = {
+        "num_replicas": runtime.world_size,
+        "rank": runtime.rank,
+        "seed": seed,
+        "drop_last": drop_last,
+    }
     if weighted is not None:
         return WeightedDistributedSampler(weighted, **shard)
     return ResumableDistributedSampler(dataset, shuffle=shuffle, **shard)
@@ -282,8 +315,9 @@ def _agree_across_ranks(
             f"loader over the same data with the same {', '.join(keys)}, or the shards overlap "
             "and miss samples. Pass the same values on every rank."
         )
-    mismatch = fingerprint_mismatch([row["dataset"] for row in table], what,
-                                    getattr(runtime, "str_hashes_agree", None))  # fmt: skip
+    mismatch = fingerprint_mismatch(
+        [row["dataset"] for row in table], what, getattr(runtime, "str_hashes_agree", None)
+    )
     if mismatch is not None:
         raise ConfigError(mismatch)
     return table
@@ -316,8 +350,13 @@ def build_eval_loader(
     )
     sized = loader is not None and not isinstance(dataset, IterableDataset)
     settings = {**common, "batches": len(loader) if sized else None}
-    table = _agree_across_ranks(settings, runtime, ("len(dataset)",), "build_eval_loader",
-                                f"the evaluation dataset ({describe(dataset)})")  # fmt: skip
+    table = _agree_across_ranks(
+        settings,
+        runtime,
+        ("len(dataset)",),
+        "build_eval_loader",
+        f"the evaluation dataset ({describe(dataset)})",
+    )
     if error is not None:
         raise error
     assert loader is not None
@@ -346,10 +385,12 @@ def _follow_quorums(loader: DataLoader, runtime: Runtime) -> None:
         sampler.reshard(world_size=size, rank=runtime.rank)
         batch = loader.batch_size or 1
         loader.rank_num_batches = [  # type: ignore[attr-defined]
-            -(-len(UnpaddedDistributedSampler(sampler.dataset_len, world_size=size, rank=r))
-              // batch)
+            -(
+                -len(UnpaddedDistributedSampler(sampler.dataset_len, world_size=size, rank=r))
+                // batch
+            )
             for r in range(size)
-        ]  # fmt: skip
+        ]
 
     assert runtime.live is not None
     runtime.live.on_change.append(reshard)
@@ -367,8 +408,14 @@ def _build_eval_local(
     take_sampler(dataset, loader_kwargs, "build_eval_loader")
     if isinstance(dataset, IterableDataset):
         _refuse_persistent_workers(loader_kwargs)
-        stream = ShardedStream(dataset, runtime.rank, runtime.world_size, pad=False,
-                               drop_last=False, batch_size=batch_size)  # fmt: skip
+        stream = ShardedStream(
+            dataset,
+            runtime.rank,
+            runtime.world_size,
+            pad=False,
+            drop_last=False,
+            batch_size=batch_size,
+        )
         return DataLoader(stream, batch_size=batch_size, **loader_kwargs)
     length = _length(dataset)
     if length == 0:

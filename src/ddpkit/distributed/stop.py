@@ -280,8 +280,9 @@ class StopRequest:
         get_logger("stop").warning(
             "%s: no step boundary asked for the stop within %g s (the loop does not call "
             "stop_requested() or maybe_save()); ending as the signal would",
-            signal.Signals(signum).name, self.fallback_s,
-        )  # fmt: skip
+            signal.Signals(signum).name,
+            self.fallback_s,
+        )
         self.armed, self.received = False, None
         if callable(self._previous.get(signal.Signals(signum))):
             os.kill(os.getpid(), signum)  # e.g. Ctrl-C's KeyboardInterrupt, in the main thread

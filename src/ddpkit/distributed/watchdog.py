@@ -296,8 +296,9 @@ class Watchdog:
         waited_s = min(stayed for _, stayed in found.values())
         if waited_s < self.deadlock_timeout_s:
             return False
-        report = deadlock_report(self.info.rank, positions, waited_s, self.group_labels,
-                                 self.eval_batches)  # fmt: skip
+        report = deadlock_report(
+            self.info.rank, positions, waited_s, self.group_labels, self.eval_batches
+        )
         self._fire(report)
         return True
 
@@ -327,8 +328,10 @@ class Watchdog:
             if self._signature != signature:
                 get_logger("watchdog").warning(
                     "slow: rank %d waited %.0f s (stall timeout %g s) and then moved on",
-                    self.info.rank, report.waited_s, self.stall_timeout_s,
-                )  # fmt: skip
+                    self.info.rank,
+                    report.waited_s,
+                    self.stall_timeout_s,
+                )
                 return
         self._fired = True
         mine = str(self.info.rank)
@@ -383,8 +386,11 @@ class Watchdog:
     def _report_and_exit(self, report: StallReport) -> None:
         self._ending.set()
         prefix = f"[rank {self.info.rank}/{self.info.world_size}]"
-        print("\n".join(f"{prefix} {line}" for line in report.text().splitlines()),
-              file=sys.stderr, flush=True)  # fmt: skip
+        print(
+            "\n".join(f"{prefix} {line}" for line in report.text().splitlines()),
+            file=sys.stderr,
+            flush=True,
+        )
         error = (DeadlockError if report.kind == "deadlock" else StallError)(report.text())
         self._record(error)
         self._store.set("request", f"abort\n{report.headline}")

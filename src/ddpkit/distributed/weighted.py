@@ -40,13 +40,24 @@ class WeightedDistributedSampler(ResumableDistributedSampler):
     """
 
     def __init__(
-        self, weighted: WeightedRandomSampler, *, num_replicas: int, rank: int, seed: int,
+        self,
+        weighted: WeightedRandomSampler,
+        *,
+        num_replicas: int,
+        rank: int,
+        seed: int,
         drop_last: bool,
-    ) -> None:  # fmt: skip
+    ) -> None:
         self.weights = weighted.weights
         self.replacement = weighted.replacement
-        super().__init__(range(weighted.num_samples), num_replicas=num_replicas, rank=rank,
-                         shuffle=False, seed=seed, drop_last=drop_last)  # fmt: skip
+        super().__init__(
+            range(weighted.num_samples),
+            num_replicas=num_replicas,
+            rank=rank,
+            shuffle=False,
+            seed=seed,
+            drop_last=drop_last,
+        )
 
     def epoch_order(self) -> list[int]:
         """This epoch's draw: ``num_samples`` dataset indices, the same on every rank."""

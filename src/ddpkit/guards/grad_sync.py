@@ -78,9 +78,13 @@ class GradSyncCheck:
     """
 
     def __init__(
-        self, ddp_model: DistributedDataParallel, runtime: Runtime, *, num_steps: int,
+        self,
+        ddp_model: DistributedDataParallel,
+        runtime: Runtime,
+        *,
+        num_steps: int,
         context: str = "",
-    ) -> None:  # fmt: skip
+    ) -> None:
         self._model = weakref.ref(ddp_model)
         self.runtime = runtime
         self.num_steps = num_steps
@@ -142,8 +146,9 @@ class GradSyncCheck:
         for rank, indices in differing.items():
             shown = [names[i] for i in indices[:_MAX_NAMES]]
             more = len(indices) - len(shown)
-            parts.append(f"rank {rank} differs in {', '.join(shown)}"
-                         + (f" and {more} more" if more else ""))  # fmt: skip
+            parts.append(
+                f"rank {rank} differs in {', '.join(shown)}" + (f" and {more} more" if more else "")
+            )
         where = f" {self.context}" if self.context else ""
         return (
             f"gradients differ across ranks at optimizer step {self.num_checked}{where}: "

@@ -129,12 +129,13 @@ def _compare_ranks(reference: list[Any], other: list[Any], rank: int) -> str:
     for label, names in (
         ("trains", [n for n, row in mine.items() if row[3] and not ref.get(n, row)[3]]),
         ("freezes", [n for n, row in mine.items() if not row[3] and ref.get(n, row)[3]]),
-        ("has shapes or dtypes differing in", [
-            n for n, row in mine.items() if n in ref and row[1:3] != ref[n][1:3]
-        ]),
+        (
+            "has shapes or dtypes differing in",
+            [n for n, row in mine.items() if n in ref and row[1:3] != ref[n][1:3]],
+        ),
         ("has extra parameters", [n for n in mine if n not in ref]),
         ("lacks", [n for n in ref if n not in mine]),
-    ):  # fmt: skip
+    ):
         if names:
             parts.append(f"{label} {_names(names)}")
     return f"rank {rank} {', '.join(parts)} (compared with rank 0)" if parts else ""
@@ -259,12 +260,18 @@ class WrapGuard:
             self.structure_changed = False  # e.g. a module without parameters, or the same one
             return
         replaced = [name for name in added if name in removed]
-        parts = [f"{label}: {_names(names)}" for label, names in (
-            ("replaced (new parameter objects DDP never saw)", replaced),
-            ("added", [name for name in added if name not in replaced]),
-            ("removed (DDP still waits for their gradients)",
-             [name for name in removed if name not in replaced]),
-        ) if names]  # fmt: skip
+        parts = [
+            f"{label}: {_names(names)}"
+            for label, names in (
+                ("replaced (new parameter objects DDP never saw)", replaced),
+                ("added", [name for name in added if name not in replaced]),
+                (
+                    "removed (DDP still waits for their gradients)",
+                    [name for name in removed if name not in replaced],
+                ),
+            )
+            if names
+        ]
         raise WrappedModelError(
             f"{self.prefix}model changed after wrap_model: {'; '.join(parts)}. DDP all-reduces "
             "only the parameters it was built with, so new ones would train on each rank's own "
@@ -273,14 +280,17 @@ class WrapGuard:
 
     def _raise_flags_changed(self) -> None:
         flips = zip(self.names, self.params, self.requires_grad, strict=True)
-        flipped = [(name, param.requires_grad) for name, param, was in flips
-                   if param.requires_grad != was]  # fmt: skip
+        flipped = [
+            (name, param.requires_grad) for name, param, was in flips if param.requires_grad != was
+        ]
         parts = []
         unfrozen = [name for name, now in flipped if now]
         frozen = [name for name, now in flipped if not now]
         if unfrozen:
-            parts.append(f"unfrozen (never all-reduced; each rank would train them on its own "
-                         f"gradients): {_names(unfrozen)}")  # fmt: skip
+            parts.append(
+                f"unfrozen (never all-reduced; each rank would train them on its own "
+                f"gradients): {_names(unfrozen)}"
+            )
         if frozen:
             parts.append(f"frozen (DDP still waits for their gradients): {_names(frozen)}")
         raise WrappedModelError(

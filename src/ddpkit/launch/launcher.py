@@ -289,9 +289,14 @@ def _print_failure_summary(
     pids = {rank: failure.pid for rank, failure in failures.items()}
     hints = oom_watch.hints(exit_codes, pids, spec.nproc, spec.command)
     for line in summarize_failure(
-        records, exit_codes, spec, tails, finished=finished, kill_hints=hints,
+        records,
+        exit_codes,
+        spec,
+        tails,
+        finished=finished,
+        kill_hints=hints,
         kept=_kept_after_failure(spec, run_dir, records),
-    ):  # fmt: skip
+    ):
         print(line, file=sys.stderr)
 
 

@@ -83,8 +83,9 @@ class WorkerPool:
 
     def start_spare(self) -> None:
         spare = uuid.uuid4().hex[:12]
-        self.spares[spare] = _Process(self._popen("ddpkit.launch.spare", {SPARE_ENV: spare}),
-                                      -1, spare)  # fmt: skip
+        self.spares[spare] = _Process(
+            self._popen("ddpkit.launch.spare", {SPARE_ENV: spare}), -1, spare
+        )
 
     def activate_spare(self, slot: int) -> str | None:
         """Hand ``slot`` to an idle spare that is still alive; its new replica id, or ``None``."""
@@ -310,9 +311,12 @@ def _refill(
             pool.start_spare()
         say(
             f"slot {slot}: a warm spare takes over; it heals from a live peer"
-            + (f" (a new spare starts: {pool.replacements} of {spec.max_restarts})"
-               if refilled else "")
-        )  # fmt: skip
+            + (
+                f" (a new spare starts: {pool.replacements} of {spec.max_restarts})"
+                if refilled
+                else ""
+            )
+        )
         return
     if pool.replacements >= spec.max_restarts:
         if lighthouse.members_alive():
@@ -364,15 +368,15 @@ def _finish(
     members = lighthouse.quorum.members if lighthouse.quorum else ()
     codes = [pool.workers[m].popen.poll() for m in members if m in pool.workers]
     if stop.received is not None:
-        return _stopped(dataclasses.replace(spec, nproc=max(stop.members, 1)), run_dir,
-                        stop.received)  # fmt: skip
+        return _stopped(
+            dataclasses.replace(spec, nproc=max(stop.members, 1)), run_dir, stop.received
+        )
     if codes and all(c == 0 for c in codes):
         if stopped_by_workers(run_dir):  # every member got a stop signal of its own at once
             final = dataclasses.replace(spec, nproc=len(read_stop_records(run_dir)))
             return _stopped(final, run_dir, None)
         if pool.survived:  # a job that lost ranks on the way: say so at the end
-            say(f"completed; {len(pool.survived)} failure(s) survived: "
-                f"{'; '.join(pool.survived)}")  # fmt: skip
+            say(f"completed; {len(pool.survived)} failure(s) survived: {'; '.join(pool.survived)}")
         return 0
     records = read_records(run_dir)
     for line in summarize_failure(records, {}, spec)[:-1] if records else []:

@@ -39,9 +39,14 @@ def slot_environment(slot: int, nproc: int, replica: str, role: str) -> dict[str
     from ddpkit.live.start import ROLE_ENV
 
     return {
-        REPLICA_ENV: replica, SLOT_ENV: str(slot), ROLE_ENV: role, "RANK": str(slot),
-        "LOCAL_RANK": str(slot), "WORLD_SIZE": str(nproc), "LOCAL_WORLD_SIZE": str(nproc),
-    }  # fmt: skip
+        REPLICA_ENV: replica,
+        SLOT_ENV: str(slot),
+        ROLE_ENV: role,
+        "RANK": str(slot),
+        "LOCAL_RANK": str(slot),
+        "WORLD_SIZE": str(nproc),
+        "LOCAL_WORLD_SIZE": str(nproc),
+    }
 
 
 def main() -> None:

@@ -70,10 +70,11 @@ class DistributedTestError(AssertionError):
         self.header = header
         self.failures = dict(failures or {})
         blocks = [
-            f"--- rank {rank} {text}" if text.startswith("died") else
-            f"--- rank {rank} raised:\n{text}"
+            f"--- rank {rank} {text}"
+            if text.startswith("died")
+            else f"--- rank {rank} raised:\n{text}"
             for rank, text in self.failures.items()
-        ]  # fmt: skip
+        ]
         super().__init__("\n".join([header + (":" if blocks else ""), *blocks]))
 
     def first_cause(self) -> str:
@@ -220,7 +221,7 @@ def run_distributed(
                 *state,
             ),
             name=f"rank{rank}",
-        )  # fmt: skip
+        )
         for rank in range(world_size)
     ]
     try:
@@ -263,8 +264,14 @@ def _ensure_forkserver() -> None:
     """
     mp.set_forkserver_preload(list(PRELOAD))
     saved = dict(os.environ)
-    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR",
-                 "MASTER_PORT"):  # fmt: skip
+    for name in (
+        "RANK",
+        "WORLD_SIZE",
+        "LOCAL_RANK",
+        "LOCAL_WORLD_SIZE",
+        "MASTER_ADDR",
+        "MASTER_PORT",
+    ):
         os.environ.pop(name, None)
     os.environ["OMP_NUM_THREADS"] = "1"
     try:

@@ -142,8 +142,7 @@ class Lighthouse:
         return info is not None and info.alive and not info.dead_why and replica not in self.left
 
     def finished(self, replica: str) -> bool:
-        """The worker ran its script to the end (exit status 0, not leaving on its own signal).
-        """
+        """The worker ran its script to the end (exit status 0, not leaving on its own signal)."""
         info = self.replicas[replica]
         return info.exit_code == 0 and replica not in self.left
 
@@ -159,10 +158,12 @@ class Lighthouse:
         self.unhealed = {r for r in self.unhealed if not self.store.check([key("healed", r)])}
         members = self.quorum.members
         ready = [
-            r for r, _ in self.replicas.items()
-            if (r not in members or r in self.unhealed) and self._usable(r)
+            r
+            for r, _ in self.replicas.items()
+            if (r not in members or r in self.unhealed)
+            and self._usable(r)
             and self.store.check([key("ready", r)])
-        ]  # fmt: skip
+        ]
         self._set_status(waiting=len([r for r in ready if r not in members]))
         admit = self.store.check([key("admit", self.quorum.number)])
         gone = [m for m in members if not self._usable(m)]

@@ -57,6 +57,7 @@ from ddpkit.log import get_logger
 log = get_logger("live")
 REPLACEMENT_WAIT_S = 7 * 24 * 3600.0  # a replacement waits for the members' next step
 
+
 class LiveMembership:
     """This worker's membership of a live fault-tolerant job.
 
@@ -260,9 +261,15 @@ class LiveMembership:
         if leave:
             self.store.set(key("leave", self.replica), "1")
         mine = Vote(
-            ok, status.latest, status.waiting, leave, status.stop, float(loss_sum),
-            int(num_samples), op,
-        )  # fmt: skip
+            ok,
+            status.latest,
+            status.waiting,
+            leave,
+            status.stop,
+            float(loss_sum),
+            int(num_samples),
+            op,
+        )
         written = self.store.compare_set(
             key("vote", quorum.number, seq, self.replica), "", mine.encode()
         ).decode()
@@ -391,9 +398,14 @@ class LiveMembership:
             )
         log.warning(
             "live: %s; %s; world size %d -> %d (quorum %d); stall %.2f s%s",
-            quorum.reason or "the members changed", note, len(previous.members),
-            len(quorum.members), quorum.number, stall, healed,
-        )  # fmt: skip
+            quorum.reason or "the members changed",
+            note,
+            len(previous.members),
+            len(quorum.members),
+            quorum.number,
+            stall,
+            healed,
+        )
 
     def _join(self, after: int, start: float, wait_s: float | None = None) -> None:
         """Wait for (up to ``wait_s``; default 5 x the formation timeout), form, heal and
@@ -480,5 +492,3 @@ class LiveMembership:
         """Whether the members agreed to stop (the launcher's stop signal, or every member's
         own at once)."""
         return bool(self.stop_signal)
-
-

@@ -147,13 +147,13 @@ def finish_compile(
         check = attach_grad_sync_check(model, runtime, check_steps, context=context)
     if options is not None:
         get_logger("parallel").info(
-            "wrap_model: %s compiled in place with torch.compile(%s); the first forward "
-            "compiles%s",
+            "wrap_model: %s compiled in place with torch.compile(%s); the first forward compiles%s",
             type(model).__name__,
             ", ".join(f"{k}={v!r}" for k, v in options.items()),
-            f"; gradients compared across ranks before the first {check_steps} optimizer "
-            "steps" if check is not None else "",
-        )  # fmt: skip
+            f"; gradients compared across ranks before the first {check_steps} optimizer steps"
+            if check is not None
+            else "",
+        )
     return model
 
 

@@ -174,8 +174,9 @@ def wrap_model(
         ...                        grad_compression="fp16", comm_stats=stats)  # doctest: +SKIP
     """
     if runtime.live is not None:
-        return _wrap_live(model, runtime, strategy, grad_compression, sync_batchnorm, compile,
-                          ddp_kwargs)  # fmt: skip
+        return _wrap_live(
+            model, runtime, strategy, grad_compression, sync_batchnorm, compile, ddp_kwargs
+        )
     fsdp_options = {
         "wrap_policy": wrap_policy,
         "reshard_after_forward": reshard_after_forward,
@@ -202,6 +203,28 @@ def wrap_model(
     if strategy == "single":
         unused = _ddp_options_given(grad_compression, sync_batchnorm, ddp_kwargs)
         return finish_compile(_single(model, runtime, unused), runtime, strategy, options, 0)
+    ddp_options = {
+        "grad_compression": grad_compression,
+        "comm_stats": comm_stats,
+        "powersgd_rank": powersgd_rank,
+        "powersgd_start_step": powersgd_start_step,
+        "ddp_kwargs": ddp_kwargs,
+    }
+    wrapped = _wrap_distributed(model, runtime, strategy, sync_batchnorm, fsdp_options, ddp_options)
+    if options is None and strategy in ("ddp", "zero1"):  # a compiled forward: no hooks
+        _probe_own_loop(wrapped, runtime)
+    return finish_compile(wrapped, runtime, strategy, options, check_steps)
+
+
+def _wrap_distributed(
+    model: nn.Module,
+    runtime: Runtime,
+    strategy: str,
+    sync_batchnorm: bool,
+    fsdp_options: dict[str, Any],
+    ddp_options: dict[str, Any],
+) -> nn.Module:
+    """``ddp``, ``zero1`` or ``fsdp``: BatchNorm synchronised if asked, then the wrapper."""
     if sync_batchnorm:
         from ddpkit.parallel.syncbn import convert_sync_batchnorm
 
@@ -209,16 +232,8 @@ def wrap_model(
     if strategy == "fsdp":
         from ddpkit.parallel.fsdp import wrap_fsdp
 
-        wrapped = wrap_fsdp(model, runtime, **fsdp_options)
-    else:
-        wrapped = _wrap_ddp(
-            model, runtime, strategy, grad_compression=grad_compression, comm_stats=comm_stats,
-            powersgd_rank=powersgd_rank, powersgd_start_step=powersgd_start_step,
-            ddp_kwargs=ddp_kwargs,
-        )  # fmt: skip
-    if options is None and strategy in ("ddp", "zero1"):  # a compiled forward: no hooks
-        _probe_own_loop(wrapped, runtime)
-    return finish_compile(wrapped, runtime, strategy, options, check_steps)
+        return wrap_fsdp(model, runtime, **fsdp_options)
+    return _wrap_ddp(model, runtime, strategy, **ddp_options)
 
 
 def _probe_own_loop(model: nn.Module, runtime: Runtime) -> None:
@@ -396,8 +411,10 @@ def _single(model: nn.Module, runtime: Runtime, unused: list[tuple[str, Any]]) -
         ".module); reach its attributes with ddpkit.unwrap_model(model).x, which also works "
         "under DDP.%s",
         f" {note}: DDP options, in effect with 2 or more processes; at world_size=1 they do "
-        "nothing." if note else "",
-    )  # fmt: skip
+        "nothing."
+        if note
+        else "",
+    )
     return model.to(runtime.device)
 
 

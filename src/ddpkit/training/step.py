@@ -209,9 +209,14 @@ class TrainStep:
         check_strategy_pairing(model, optimizer, self.precision)
         self.timer = timer or StepTimer(runtime, enabled=False)
         self.accumulator = GradientAccumulator(
-            model, runtime, num_micro_steps=num_micro_steps, precision=self.precision,
-            same_batch_sizes=same_batch_sizes, num_samples_fn=num_samples_fn, timer=self.timer,
-        )  # fmt: skip
+            model,
+            runtime,
+            num_micro_steps=num_micro_steps,
+            precision=self.precision,
+            same_batch_sizes=same_batch_sizes,
+            num_samples_fn=num_samples_fn,
+            timer=self.timer,
+        )
         self.loss_fn = loss_fn
         self.clip_grad_norm = clip_grad_norm
         self.guard = guard

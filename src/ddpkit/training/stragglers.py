@@ -311,9 +311,17 @@ class StragglerDetector:
         assert self._hosts is not None
         factor, rank_s, others_s, step_s = streak.worst
         named = Straggler(
-            rank, self._hosts[rank], phase, factor, rank_s, others_s, step_s,
-            first_step=streak.first_step, named_step=step, last_step=step,
-        )  # fmt: skip
+            rank,
+            self._hosts[rank],
+            phase,
+            factor,
+            rank_s,
+            others_s,
+            step_s,
+            first_step=streak.first_step,
+            named_step=step,
+            last_step=step,
+        )
         self.named.append(named)
         self._active[key] = named
         if self.runtime.is_rank_zero:
@@ -325,8 +333,13 @@ class StragglerDetector:
             get_logger("stragglers").info(
                 "straggler cleared: rank %d (host %s) is no longer slow in %s at step %d "
                 "(named at step %d, up to %.1fx)",
-                named.rank, named.host, WHAT[named.phase], step, named.named_step, named.factor,
-            )  # fmt: skip
+                named.rank,
+                named.host,
+                WHAT[named.phase],
+                step,
+                named.named_step,
+                named.factor,
+            )
 
     def active(self) -> list[Straggler]:
         """The stragglers named and not cleared."""

@@ -23,18 +23,28 @@ from ddpkit.checkpoint.io import probe_write_s, write_checkpoint
 mode, directory = sys.argv[1], Path(sys.argv[2])
 if mode == "io":
     state = {"model": {"weight": torch.zeros(512, 512)}}  # 1 MiB of float32
-    calls = {"probe": lambda: probe_write_s(directory, state),
-             "write": lambda: write_checkpoint(directory, 4, state, {})}  # fmt: skip
+    calls = {
+        "probe": lambda: probe_write_s(directory, state),
+        "write": lambda: write_checkpoint(directory, 4, state, {}),
+    }
     for name, call in calls.items():
         try:
             call()
         except Exception as exc:
             stamped = getattr(exc, "ddpkit_failed_at_s", None)  # the failure's own time
-            print(json.dumps({
-                "call": name, "type": type(exc).__name__, "errno": getattr(exc, "errno", None),
-                "message": str(exc), "stamped": stamped is not None and stamped <= time.time(),
-                "left_behind": sorted(p.name for p in directory.glob("*")) or None,
-            }), flush=True)  # fmt: skip
+            print(
+                json.dumps(
+                    {
+                        "call": name,
+                        "type": type(exc).__name__,
+                        "errno": getattr(exc, "errno", None),
+                        "message": str(exc),
+                        "stamped": stamped is not None and stamped <= time.time(),
+                        "left_behind": sorted(p.name for p in directory.glob("*")) or None,
+                    }
+                ),
+                flush=True,
+            )
 else:
     with ddpkit.init_runtime(init_timeout_s=60, train_timeout_s=60) as rt:
         model = nn.Sequential(nn.Linear(512, 256), nn.Linear(256, 512))  # 1 MiB of float32

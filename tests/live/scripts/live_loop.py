@@ -97,8 +97,13 @@ with ddpkit.init_runtime(train_timeout_s=float(os.environ.get("TRAIN_TIMEOUT", "
     scheduler = torch.optim.lr_scheduler.StepLR(opt, step_size=50, gamma=0.5)
     train = ddpkit.build_train_loader(train_set, rt, batch_size=32, seed=0)
     test = ddpkit.build_eval_loader(test_set, rt, batch_size=256)
-    state = {"model": model, "optimizer": opt, "scheduler": scheduler, "loader": train,
-             "probe": HealProbe()}
+    state = {
+        "model": model,
+        "optimizer": opt,
+        "scheduler": scheduler,
+        "loader": train,
+        "probe": HealProbe(),
+    }
     every = int(os.environ.get("CKPT_EVERY", "25"))
     ckpt = ddpkit.CheckpointManager(OUT / "checkpoints", rt, state=state, every_steps=every)
     step = ckpt.resume()  # a replacement: healed from a live peer here
@@ -126,16 +131,23 @@ with ddpkit.init_runtime(train_timeout_s=float(os.environ.get("TRAIN_TIMEOUT", "
             ckpt.maybe_save(result.step)
         metrics = ddpkit.evaluate(model, test, rt)
         ddpkit.get_logger("train").info(
-            "epoch %d step %d world %d accuracy %.4f", epoch, train_step.num_steps,
-            rt.world_size, metrics["accuracy"],
+            "epoch %d step %d world %d accuracy %.4f",
+            epoch,
+            train_step.num_steps,
+            rt.world_size,
+            metrics["accuracy"],
         )
     params = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
     momenta = [s["momentum_buffer"] for s in opt.state.values() if "momentum_buffer" in s]
     final = {
-        "pid": os.getpid(), "rank": rt.rank, "world_size": rt.world_size,
-        "step": train_step.num_steps, "params": params.double().sum().item(),
+        "pid": os.getpid(),
+        "rank": rt.rank,
+        "world_size": rt.world_size,
+        "step": train_step.num_steps,
+        "params": params.double().sum().item(),
         "params_sha256": hashlib.sha256(params.numpy().tobytes()).hexdigest(),
         "momentum": sum(m.double().sum().item() for m in momenta),
-        "lr": scheduler.get_last_lr()[0], "counters": vars(rt.live.counters) if rt.live else {},
+        "lr": scheduler.get_last_lr()[0],
+        "counters": vars(rt.live.counters) if rt.live else {},
     }
     print("FINAL " + json.dumps(final), flush=True)

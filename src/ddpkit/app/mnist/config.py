@@ -86,29 +86,41 @@ class RunConfig:
         resume=True,
     )
     batch_size: int = option(
-        64, "samples per rank per step (default %(default)s); global batch = B x world size",
-        check=at_least(1), resume=True, metavar="B",
-    )  # fmt: skip
+        64,
+        "samples per rank per step (default %(default)s); global batch = B x world size",
+        check=at_least(1),
+        resume=True,
+        metavar="B",
+    )
     lr: float = option(
-        3e-3, "peak learning rate of the one-cycle schedule (default %(default)s)",
-        check=finite(above=0), resume=True,
-    )  # fmt: skip
-    optimizer: str = option("adam", "adam, adamw or sgd (momentum 0.9)", choices=OPTIMIZERS,
-                            resume=True)  # fmt: skip
+        3e-3,
+        "peak learning rate of the one-cycle schedule (default %(default)s)",
+        check=finite(above=0),
+        resume=True,
+    )
+    optimizer: str = option(
+        "adam", "adam, adamw or sgd (momentum 0.9)", choices=OPTIMIZERS, resume=True
+    )
     seed: int = option(0, "seed of model init and data order (same on every rank)", resume=True)
     max_steps: int = option(
-        0, "stop each epoch after S steps (0 = whole epoch); for quick checks",
-        check=at_least(0), resume=True, metavar="S",
-    )  # fmt: skip
+        0,
+        "stop each epoch after S steps (0 = whole epoch); for quick checks",
+        check=at_least(0),
+        resume=True,
+        metavar="S",
+    )
     output_dir: str = option(
-        "runs/mnist", "where outputs go (default %(default)s)", check=_output_dir_rule,
+        "runs/mnist",
+        "where outputs go (default %(default)s)",
+        check=_output_dir_rule,
         metavar="DIR",
-    )  # fmt: skip
+    )
     overwrite: bool = option(
-        False, "start afresh in an OUTPUT_DIR that holds an earlier run, deleting its "
+        False,
+        "start afresh in an OUTPUT_DIR that holds an earlier run, deleting its "
         "checkpoints and outputs (without it such a folder is refused: --resume auto continues "
         "the run)",
-    )  # fmt: skip
+    )
 
 
 @dataclass(frozen=True)
@@ -122,9 +134,10 @@ class DataConfig:
         None, "folder holding the four MNIST IDX files (raw or .gz)", metavar="DIR"
     )
     download: bool = option(
-        True, "never download MNIST; use the cache or --data-dir (in --config: download = "
-        "false)", flag="--no-download",
-    )  # fmt: skip
+        True,
+        "never download MNIST; use the cache or --data-dir (in --config: download = false)",
+        flag="--no-download",
+    )
 
 
 @dataclass(frozen=True)
@@ -132,38 +145,52 @@ class LaunchConfig:
     """the local processes"""
 
     nproc: int | None = option(
-        None, "local processes (default: one per GPU on CUDA, else 2)", check=at_least(1),
+        None,
+        "local processes (default: one per GPU on CUDA, else 2)",
+        check=at_least(1),
         metavar="N",
-    )  # fmt: skip
+    )
     max_restarts: int = option(
-        0, "restart all ranks up to R times after a failure; with --checkpoint-every they "
+        0,
+        "restart all ranks up to R times after a failure; with --checkpoint-every they "
         "resume from the newest complete checkpoint (default %(default)s)",
-        check=at_least(0), metavar="R",
-    )  # fmt: skip
+        check=at_least(0),
+        metavar="R",
+    )
     grace_period: int = option(
-        30, "after a stop signal, seconds every rank has to finish its step and write the "
+        30,
+        "after a stop signal, seconds every rank has to finish its step and write the "
         "checkpoint before it is killed (torchrun's --shutdown-timeout; default %(default)s)",
-        check=at_least(1), metavar="SECONDS",
-    )  # fmt: skip
+        check=at_least(1),
+        metavar="SECONDS",
+    )
     stop_signals: str = option(
-        "SIGTERM,SIGINT,SIGUSR1", "signals that stop every rank after the same step, with a "
+        "SIGTERM,SIGINT,SIGUSR1",
+        "signals that stop every rank after the same step, with a "
         "checkpoint at it (default %(default)s; none = the signals' usual effect)",
-        check=_stop_signals_rule, metavar="SIGNALS",
-    )  # fmt: skip
+        check=_stop_signals_rule,
+        metavar="SIGNALS",
+    )
     fault_tolerance: str = option(
-        "restart", "restart: a failed rank stops every rank (restarted with --max-restarts from "
+        "restart",
+        "restart: a failed rank stops every rank (restarted with --max-restarts from "
         "the newest checkpoint); live: the others keep training and a replacement (up to "
         "--max-restarts, default 3 here) heals from them (docs/fault-tolerance.md; ddp only)",
         choices=("restart", "live"),
-    )  # fmt: skip
+    )
     spares: int = option(
-        0, "live: warm spare processes (torch already imported) that take over lost ranks",
-        check=at_least(0), metavar="S",
-    )  # fmt: skip
+        0,
+        "live: warm spare processes (torch already imported) that take over lost ranks",
+        check=at_least(0),
+        metavar="S",
+    )
     heartbeat_timeout: float = option(
-        10.0, "live: a rank whose heartbeat stops this long (SIGSTOP, a frozen host) is ended "
-        "and its peers go on (default %(default)s)", check=finite(above=1), metavar="SECONDS",
-    )  # fmt: skip
+        10.0,
+        "live: a rank whose heartbeat stops this long (SIGSTOP, a frozen host) is ended "
+        "and its peers go on (default %(default)s)",
+        check=finite(above=1),
+        metavar="SECONDS",
+    )
 
 
 @dataclass(frozen=True)
@@ -174,19 +201,26 @@ class RuntimeConfig:
         "auto", "auto: nccl when each local rank has a GPU, else gloo", choices=BACKENDS
     )
     init_timeout: float = option(
-        300.0, "how long ranks wait for each other to join (default %(default)s)",
-        check=finite(above=0), metavar="SECONDS",
-    )  # fmt: skip
+        300.0,
+        "how long ranks wait for each other to join (default %(default)s)",
+        check=finite(above=0),
+        metavar="SECONDS",
+    )
     train_timeout: float = option(
-        1800.0, "how long one collective may wait (default %(default)s)",
-        check=finite(above=0), metavar="SECONDS",
-    )  # fmt: skip
+        1800.0,
+        "how long one collective may wait (default %(default)s)",
+        check=finite(above=0),
+        metavar="SECONDS",
+    )
     stall_timeout: float = option(
-        300.0, "watchdog: a rank waiting in a collective longer than this while another rank "
+        300.0,
+        "watchdog: a rank waiting in a collective longer than this while another rank "
         "runs other code ends the job with a report naming the busy rank and its Python stack; "
         "ranks stuck in collectives that cannot match end it after 5 s (default %(default)s; "
-        "0 = watchdog off)", check=_stall_rule, metavar="SECONDS",
-    )  # fmt: skip
+        "0 = watchdog off)",
+        check=_stall_rule,
+        metavar="SECONDS",
+    )
 
 
 @dataclass(frozen=True)
@@ -194,61 +228,83 @@ class WrapConfig:
     """strategy and gradient communication"""
 
     strategy: str = option(
-        "auto", "auto: ddp for 2+ processes, single for one; dp: DataParallel over 2+ GPUs in "
+        "auto",
+        "auto: ddp for 2+ processes, single for one; dp: DataParallel over 2+ GPUs in "
         "one process (--nproc 1; an error without 2 GPUs; PyTorch recommends ddp instead); "
         "zero1: ddp with the optimizer state sharded (ZeroRedundancyOptimizer); fsdp: "
         "parameters, gradients and optimizer state sharded (FSDP2 fully_shard on each layer), "
         "checkpoints saved by every rank (torch.distributed.checkpoint)",
         choices=STRATEGIES,
-    )  # fmt: skip
+    )
     reshard_after_forward: bool = option(
-        True, "fsdp: free each layer's gathered parameters after its forward and gather them "
+        True,
+        "fsdp: free each layer's gathered parameters after its forward and gather them "
         "again in backward (on, default: ZeRO-3) or keep them until backward (off: ZeRO-2, "
-        "more memory, fewer all-gathers)", on_off=True,
-    )  # fmt: skip
+        "more memory, fewer all-gathers)",
+        on_off=True,
+    )
     bucket_cap_mb: float | None = option(
-        None, "DDP gradient bucket size in MiB; buckets all-reduce while backward runs "
-        "(default: torch's 25 MiB, first bucket 1 MiB)", check=finite(above=0), metavar="MIB",
-    )  # fmt: skip
+        None,
+        "DDP gradient bucket size in MiB; buckets all-reduce while backward runs "
+        "(default: torch's 25 MiB, first bucket 1 MiB)",
+        check=finite(above=0),
+        metavar="MIB",
+    )
     grad_as_bucket_view: bool = option(
-        False, "make gradients views into DDP's buckets: one copy less per step and no "
+        False,
+        "make gradients views into DDP's buckets: one copy less per step and no "
         "separate gradient memory (same results)",
-    )  # fmt: skip
+    )
     grad_compression: str = option(
-        "none", "how gradients are all-reduced: none (float32), fp16/bf16 (cast: half the "
+        "none",
+        "how gradients are all-reduced: none (float32), fp16/bf16 (cast: half the "
         "bytes), powersgd (low-rank factors, see --powersgd-*). Bytes per step are reported "
-        "as comm_bytes_per_step (default %(default)s)", choices=GRAD_COMPRESSIONS,
-    )  # fmt: skip
+        "as comm_bytes_per_step (default %(default)s)",
+        choices=GRAD_COMPRESSIONS,
+    )
     powersgd_rank: int = option(
-        1, "rank of PowerSGD's factors P and Q (default %(default)s)", check=at_least(1),
+        1,
+        "rank of PowerSGD's factors P and Q (default %(default)s)",
+        check=at_least(1),
         metavar="R",
-    )  # fmt: skip
+    )
     powersgd_start_step: int = option(
-        10, "optimizer steps with plain all-reduce before PowerSGD compresses "
-        "(>= 2; default %(default)s)", check=at_least(2), metavar="STEPS",
-    )  # fmt: skip
+        10,
+        "optimizer steps with plain all-reduce before PowerSGD compresses "
+        "(>= 2; default %(default)s)",
+        check=at_least(2),
+        metavar="STEPS",
+    )
     sync_every: int = option(
-        1, "1: all-reduce gradients every step (default). H >= 2: local SGD, each rank "
+        1,
+        "1: all-reduce gradients every step (default). H >= 2: local SGD, each rank "
         "steps on its own gradients and parameters are averaged every H steps and at each "
         "epoch end (about H times fewer bytes). --check-replicas-every and "
         "--checkpoint-every must then be multiples of H (replicas agree only after averaging)",
-        check=at_least(1), resume=True, metavar="H",
-    )  # fmt: skip
+        check=at_least(1),
+        resume=True,
+        metavar="H",
+    )
     sync_batchnorm: bool = option(
-        False, "convert BatchNorm layers to synchronised ones (statistics over all ranks' "
+        False,
+        "convert BatchNorm layers to synchronised ones (statistics over all ranks' "
         "samples); the MNIST CNN has no BatchNorm, so here it only logs that",
-    )  # fmt: skip
+    )
     compile: bool = option(
-        False, "torch.compile the wrapped model (after DDP, in place: checkpoints keep their "
+        False,
+        "torch.compile the wrapped model (after DDP, in place: checkpoints keep their "
         "keys and resume either way). The first step compiles (seconds to a minute on CPU, "
         "where inductor did not beat eager for this CNN; see docs/performance.md); gradients "
         "are compared across ranks before the first 3 optimizer steps",
-    )  # fmt: skip
+    )
     compile_backend: str = option(
-        "inductor", "torch.compile backend with --compile: inductor (default; generates "
+        "inductor",
+        "torch.compile backend with --compile: inductor (default; generates "
         "kernels), aot_eager (traces forward and backward, runs them eagerly: fast to compile), "
-        "eager (tracing only)", choices=COMPILE_BACKENDS, metavar="NAME",
-    )  # fmt: skip
+        "eager (tracing only)",
+        choices=COMPILE_BACKENDS,
+        metavar="NAME",
+    )
 
 
 @dataclass(frozen=True)
@@ -256,32 +312,42 @@ class StepConfig:
     """the training step"""
 
     grad_accum: int = option(
-        1, "micro-batches per optimizer step (default %(default)s): the first K-1 run forward "
+        1,
+        "micro-batches per optimizer step (default %(default)s): the first K-1 run forward "
         "and backward without gradient sync; global batch = B x world size x K. --max-steps, "
         "--checkpoint-every and the LR schedule count optimizer steps",
-        check=at_least(1), resume=True, metavar="K",
-    )  # fmt: skip
+        check=at_least(1),
+        resume=True,
+        metavar="K",
+    )
     precision: str = option(
-        "32", "32 (default), bf16-mixed (autocast to bfloat16, CPU and CUDA) or 16-mixed "
+        "32",
+        "32 (default), bf16-mixed (autocast to bfloat16, CPU and CUDA) or 16-mixed "
         "(float16 autocast with a loss scaler; every rank skips an overflowed step together)",
-        choices=PRECISIONS, resume=True,
-    )  # fmt: skip
+        choices=PRECISIONS,
+        resume=True,
+    )
     clip_grad_norm: float = option(
-        0.0, "clip the total L2 norm of the unscaled gradients to X before each optimizer "
-        "step (default 0 = off)", check=finite(at_least=0), metavar="X",
-    )  # fmt: skip
+        0.0,
+        "clip the total L2 norm of the unscaled gradients to X before each optimizer "
+        "step (default 0 = off)",
+        check=finite(at_least=0),
+        metavar="X",
+    )
     find_unused_parameters: bool = option(
-        False, "DDP option for models whose forward skips some parameters on some steps "
+        False,
+        "DDP option for models whose forward skips some parameters on some steps "
         "(costs a graph traversal per step)",
-    )  # fmt: skip
+    )
     static_graph: bool = option(
         False, "DDP option for models whose set of used parameters is the same every step"
     )
     join: bool = option(
-        False, "train each epoch inside torch's Join, for ranks with different numbers of "
+        False,
+        "train each epoch inside torch's Join, for ranks with different numbers of "
         "batches (the train loader is even, so this only adds Join's bookkeeping: two small "
         "all-reduces per forward)",
-    )  # fmt: skip
+    )
 
 
 @dataclass(frozen=True)
@@ -289,14 +355,18 @@ class GuardConfig:
     """guards across ranks"""
 
     on_nonfinite: str = option(
-        "off", "NaN/Inf loss or gradient on any rank: every rank raises naming the rank and "
+        "off",
+        "NaN/Inf loss or gradient on any rank: every rank raises naming the rank and "
         "step, every rank skips that step, or no check (default; the check adds one small "
-        "all-reduce, a synchronisation point, per step)", choices=("raise", "skip", "off"),
-    )  # fmt: skip
+        "all-reduce, a synchronisation point, per step)",
+        choices=("raise", "skip", "off"),
+    )
     check_replicas_every: int = option(
-        0, "compare parameter checksums across ranks every N steps (0 = never)",
-        check=at_least(0), metavar="N",
-    )  # fmt: skip
+        0,
+        "compare parameter checksums across ranks every N steps (0 = never)",
+        check=at_least(0),
+        metavar="N",
+    )
 
 
 @dataclass(frozen=True)
@@ -304,24 +374,32 @@ class CheckpointConfig:
     """checkpoints and resuming"""
 
     checkpoint_every: int = option(
-        0, "save a checkpoint to OUTPUT_DIR/checkpoints every STEPS optimizer steps "
-        "(0 = never; keeps the last 3)", check=at_least(0), metavar="STEPS",
-    )  # fmt: skip
+        0,
+        "save a checkpoint to OUTPUT_DIR/checkpoints every STEPS optimizer steps "
+        "(0 = never; keeps the last 3)",
+        check=at_least(0),
+        metavar="STEPS",
+    )
     async_checkpoint: bool = option(
-        False, "fsdp/zero1: write each checkpoint's shards in a background thread "
+        False,
+        "fsdp/zero1: write each checkpoint's shards in a background thread "
         "(torch.distributed.checkpoint.async_save); the save is committed at the next one or "
         "at the end of training, so the loop waits only for the copy to CPU memory",
-    )  # fmt: skip
+    )
     resume: str = option(
-        "", "resume from the newest complete checkpoint in OUTPUT_DIR (auto) or from PATH; "
+        "",
+        "resume from the newest complete checkpoint in OUTPUT_DIR (auto) or from PATH; "
         "another --nproc keeps the checkpoint's global batch (per-rank batch and micro-steps "
-        "chosen again, said in one line)", check=_resume_rule, metavar="auto|PATH",
-    )  # fmt: skip
+        "chosen again, said in one line)",
+        check=_resume_rule,
+        metavar="auto|PATH",
+    )
     unsafe_pickle: bool = option(
-        False, "UNSAFE: resume by unpickling any object a checkpoint holds, running whatever "
+        False,
+        "UNSAFE: resume by unpickling any object a checkpoint holds, running whatever "
         "code it says (only for checkpoints you wrote and trust); default: tensors, numbers, "
         "strings, containers and numpy arrays only",
-    )  # fmt: skip
+    )
 
 
 @dataclass(frozen=True)
@@ -329,51 +407,70 @@ class ObserveConfig:
     """watching a run"""
 
     progress: str = option(
-        "auto", "rank 0's progress bar per epoch on stderr, with global samples/s and ETA: auto "
-        "(default; only when stderr is a terminal), on, off", choices=PROGRESS_MODES,
-    )  # fmt: skip
+        "auto",
+        "rank 0's progress bar per epoch on stderr, with global samples/s and ETA: auto "
+        "(default; only when stderr is a terminal), on, off",
+        choices=PROGRESS_MODES,
+    )
     log_every: int = option(
-        50, "every N optimizer steps append a record to steps.jsonl and steps.csv: mean "
+        50,
+        "every N optimizer steps append a record to steps.jsonl and steps.csv: mean "
         "train loss over all ranks since the last record, global samples/s, learning rate "
-        "(default %(default)s; 0 = none)", check=at_least(0), metavar="N",
-    )  # fmt: skip
+        "(default %(default)s; 0 = none)",
+        check=at_least(0),
+        metavar="N",
+    )
     step_timing: bool = option(
-        True, "split each step's time into data wait, forward, backward (with DDP's overlapped "
+        True,
+        "split each step's time into data wait, forward, backward (with DDP's overlapped "
         "all-reduce) and optimizer, in seconds per step in metrics.jsonl/csv (default "
-        "%(default)s; on CUDA it synchronizes the GPU at each phase boundary)", on_off=True,
-    )  # fmt: skip
+        "%(default)s; on CUDA it synchronizes the GPU at each phase boundary)",
+        on_off=True,
+    )
     tensorboard: str = option(
-        "auto", "auto (default): TensorBoard event files in OUTPUT_DIR/tensorboard when the "
+        "auto",
+        "auto (default): TensorBoard event files in OUTPUT_DIR/tensorboard when the "
         "tensorboard package is installed (pip install 'ddpkit[tensorboard]'); off",
         choices=TENSORBOARD_MODES,
-    )  # fmt: skip
+    )
     straggler_window: int = option(
-        20, "name a rank whose data loading or compute is persistently slower than the "
+        20,
+        "name a rank whose data loading or compute is persistently slower than the "
         "others' (one warning line; summary.json stragglers; per-rank figures in ranks.jsonl): "
         "optimizer steps per comparison window (default %(default)s; 0 = off)",
-        check=_straggler_window_rule, metavar="N",
-    )  # fmt: skip
+        check=_straggler_window_rule,
+        metavar="N",
+    )
     metrics_port: int | None = option(
-        None, "serve every rank's step, samples/s, step-time phases, last-step time, goodput "
+        None,
+        "serve every rank's step, samples/s, step-time phases, last-step time, goodput "
         "and guard events for Prometheus at http://HOST:PORT/metrics from rank 0 (0 = any free "
         "port, logged; default: no endpoint; pip install 'ddpkit[prometheus]')",
-        check=_port_rule, metavar="PORT",
-    )  # fmt: skip
+        check=_port_rule,
+        metavar="PORT",
+    )
     metrics_host: str = option(
-        "127.0.0.1", "the address the metrics endpoint listens on (default %(default)s: this "
-        "machine only); the one address of this machine Prometheus scrapes", metavar="HOST",
-    )  # fmt: skip
+        "127.0.0.1",
+        "the address the metrics endpoint listens on (default %(default)s: this "
+        "machine only); the one address of this machine Prometheus scrapes",
+        metavar="HOST",
+    )
     tracker: str = option(
-        "", "log the config, every epoch's metrics and the summary from rank 0 to these "
+        "",
+        "log the config, every epoch's metrics and the summary from rank 0 to these "
         "experiment trackers: mlflow (OUTPUT_DIR/mlflow.db unless MLFLOW_TRACKING_URI is set), "
         "wandb (offline in OUTPUT_DIR/wandb unless WANDB_MODE is set); comma-separated; pip "
-        "install 'ddpkit[mlflow]' / 'ddpkit[wandb]'", check=_tracker_rule, metavar="NAMES",
-    )  # fmt: skip
+        "install 'ddpkit[mlflow]' / 'ddpkit[wandb]'",
+        check=_tracker_rule,
+        metavar="NAMES",
+    )
     straggler_factor: float = option(
-        1.25, "a rank is slow when its median data or compute time per step is at least this "
+        1.25,
+        "a rank is slow when its median data or compute time per step is at least this "
         "many times the other ranks' and costs at least a tenth of a step (default %(default)s)",
-        check=finite(above=1), metavar="X",
-    )  # fmt: skip
+        check=finite(above=1),
+        metavar="X",
+    )
 
 
 # ``[name]`` in a config file and one group of ``ddpkit train --help``, in this order
@@ -392,9 +489,16 @@ SECTIONS = {
 
 @dataclass(frozen=True)
 class TrainConfig(
-    ObserveConfig, CheckpointConfig, GuardConfig, StepConfig, WrapConfig, RuntimeConfig,
-    LaunchConfig, DataConfig, RunConfig,
-):  # fmt: skip
+    ObserveConfig,
+    CheckpointConfig,
+    GuardConfig,
+    StepConfig,
+    WrapConfig,
+    RuntimeConfig,
+    LaunchConfig,
+    DataConfig,
+    RunConfig,
+):
     """Settings of one training job: every field of every section, read flat (``config.lr``).
 
     The sections (:data:`SECTIONS`) are its bases, so each field is declared once, in its
@@ -492,10 +596,14 @@ def _local_sgd_rules(c: TrainConfig) -> list[str]:
     if c.sync_every == 1:
         return []
     pair = f"sync_every={c.sync_every} with"
-    problems = [
-        f"{pair} grad_compression={c.grad_compression!r}. Local SGD sends no gradients to "
-        "compress. Pick one"
-    ] if c.grad_compression != "none" else []  # fmt: skip
+    problems = (
+        [
+            f"{pair} grad_compression={c.grad_compression!r}. Local SGD sends no gradients to "
+            "compress. Pick one"
+        ]
+        if c.grad_compression != "none"
+        else []
+    )
     if c.static_graph:
         problems.append(
             f"{pair} static_graph=True. DDP fails in static-graph mode with gradient sync off, "
@@ -520,9 +628,14 @@ def _live_rules(c: TrainConfig) -> list[str]:
     """Live fault tolerance trains plain data-parallel replicas (gradients all-reduced by the
     step, not DDP): what it does not take."""
     if c.fault_tolerance != "live":
-        return [f"spares={c.spares} with fault_tolerance='restart'. Spares take over lost ranks "
-                "of a live job only. Add --fault-tolerance live, or drop --spares"] if c.spares \
-            else []  # fmt: skip
+        return (
+            [
+                f"spares={c.spares} with fault_tolerance='restart'. Spares take over lost ranks "
+                "of a live job only. Add --fault-tolerance live, or drop --spares"
+            ]
+            if c.spares
+            else []
+        )
     given = {
         "strategy": c.strategy not in ("auto", "ddp"),
         "grad_compression": c.grad_compression != "none",
@@ -607,11 +720,15 @@ def _sharded_rules(c: TrainConfig, strategy: str) -> list[str]:
     if strategy != "fsdp":
         return problems
     not_fsdp = {
-        "bucket_cap_mb": c.bucket_cap_mb is not None, "grad_as_bucket_view": c.grad_as_bucket_view,
-        "grad_compression": c.grad_compression != "none", "sync_every": c.sync_every > 1,
-        "find_unused_parameters": c.find_unused_parameters, "static_graph": c.static_graph,
-        "join": c.join, "precision": c.precision == "16-mixed",
-    }  # fmt: skip
+        "bucket_cap_mb": c.bucket_cap_mb is not None,
+        "grad_as_bucket_view": c.grad_as_bucket_view,
+        "grad_compression": c.grad_compression != "none",
+        "sync_every": c.sync_every > 1,
+        "find_unused_parameters": c.find_unused_parameters,
+        "static_graph": c.static_graph,
+        "join": c.join,
+        "precision": c.precision == "16-mixed",
+    }
     given = [f"{name}={getattr(c, name)!r}" for name, on in not_fsdp.items() if on]
     if given:
         problems.append(

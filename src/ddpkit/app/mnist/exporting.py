@@ -93,9 +93,13 @@ class Exporters:
             phases = {"data": rank.data_s, "compute": rank.compute_s}
             phases |= {"comm_wait": rank.comm_wait_s, "step": rank.step_s}
             server.update_rank(
-                rank.rank, rank.host, step=rank.step, samples_per_s=rank.samples_per_s,
-                phases=phases, last_step_time=rank.last_step_time,
-            )  # fmt: skip
+                rank.rank,
+                rank.host,
+                step=rank.step,
+                samples_per_s=rank.samples_per_s,
+                phases=phases,
+                last_step_time=rank.last_step_time,
+            )
         flagged = {(s.rank, s.host, s.phase) for s in self._detector.active()}
         for rank, host, phase in flagged - self._flagged:
             server.set_straggler(rank, host, phase=phase, on=True)
@@ -109,9 +113,13 @@ class Exporters:
         if self.server is None:
             return
         self.server.update_rank(
-            self.runtime.rank, self._host, step=result.step, samples_per_s=None, phases={},
+            self.runtime.rank,
+            self._host,
+            step=result.step,
+            samples_per_s=None,
+            phases={},
             last_step_time=time.time(),
-        )  # fmt: skip
+        )
         if result.skipped:
             self.server.count_event("nonfinite_skip")
 
@@ -154,6 +162,8 @@ def exporter_settings(config: Any) -> dict[str, Any]:
     """:class:`Exporters`' keyword arguments from a ``TrainConfig``."""
     names = [name for name in config.tracker.split(",") if name.strip()]
     return {
-        "config": asdict(config), "metrics_port": config.metrics_port,
-        "metrics_host": config.metrics_host, "trackers": names,
-    }  # fmt: skip
+        "config": asdict(config),
+        "metrics_port": config.metrics_port,
+        "metrics_host": config.metrics_host,
+        "trackers": names,
+    }

@@ -69,10 +69,17 @@ class Goodput:
         if self.writer and resumed_step == 0 and restart == 0:
             shutil.rmtree(self.folder, ignore_errors=True)  # a fresh run
         self.record: dict[str, Any] = {
-            "restart": restart, "start_time": process_start_time(), "resumed_step": resumed_step,
-            "furthest_step": resumed_step, "startup_s": 0.0, "loop_s": 0.0, "checkpoint_s": 0.0,
-            "evaluation_s": 0.0, "last_time": time.time(), "end": "",
-        }  # fmt: skip
+            "restart": restart,
+            "start_time": process_start_time(),
+            "resumed_step": resumed_step,
+            "furthest_step": resumed_step,
+            "startup_s": 0.0,
+            "loop_s": 0.0,
+            "checkpoint_s": 0.0,
+            "evaluation_s": 0.0,
+            "last_time": time.time(),
+            "end": "",
+        }
         self._fd = self._open() if self.writer else None
         self._last: float | None = None
 
@@ -168,11 +175,16 @@ def summarize(attempts: list[dict[str, Any]]) -> dict[str, Any]:
             wall += gap
     other = wall - productive - recomputed - sum(totals.values())
     return {
-        "wall_s": wall, "productive_s": productive, **totals, "recomputed_s": recomputed,
-        "recomputed_steps": recomputed_steps, "other_s": max(other, 0.0),
-        "goodput": productive / wall if wall > 0 else None, "attempts": len(attempts),
+        "wall_s": wall,
+        "productive_s": productive,
+        **totals,
+        "recomputed_s": recomputed,
+        "recomputed_steps": recomputed_steps,
+        "other_s": max(other, 0.0),
+        "goodput": productive / wall if wall > 0 else None,
+        "attempts": len(attempts),
         "restarts": sum(1 for a in attempts if a["restart"] > 0),
-    }  # fmt: skip
+    }
 
 
 def live_split(record: dict[str, Any], counters: dict[str, Any]) -> dict[str, Any]:
@@ -190,13 +202,20 @@ def live_split(record: dict[str, Any], counters: dict[str, Any]) -> dict[str, An
     known = productive + discarded_s + recovery + record["checkpoint_s"]
     known += record["startup_s"] + record["evaluation_s"]
     return {
-        "wall_s": wall, "productive_s": productive, "startup_s": record["startup_s"],
-        "checkpoint_s": record["checkpoint_s"], "evaluation_s": record["evaluation_s"],
-        "recomputed_s": discarded_s, "recomputed_steps": counters["discarded_steps"],
-        "recovery_s": recovery, "other_s": max(wall - known, 0.0),
-        "goodput": productive / wall if wall > 0 else None, "attempts": 1, "restarts": 0,
+        "wall_s": wall,
+        "productive_s": productive,
+        "startup_s": record["startup_s"],
+        "checkpoint_s": record["checkpoint_s"],
+        "evaluation_s": record["evaluation_s"],
+        "recomputed_s": discarded_s,
+        "recomputed_steps": counters["discarded_steps"],
+        "recovery_s": recovery,
+        "other_s": max(wall - known, 0.0),
+        "goodput": productive / wall if wall > 0 else None,
+        "attempts": 1,
+        "restarts": 0,
         "live": counters,
-    }  # fmt: skip
+    }
 
 
 def goodput_line(split: dict[str, Any]) -> str:

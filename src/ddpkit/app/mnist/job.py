@@ -278,15 +278,31 @@ def build_training(
         plan = BatchPlan(*requested, requested[0] * requested[1] * runtime.world_size, requested)
     settings = checkpoint_settings(config, source.dataset, plan)
     ckpt = CheckpointManager(
-        checkpoint_folder(config.output_dir), runtime, state=state,
-        every_steps=config.checkpoint_every, extra=settings, async_save=config.async_checkpoint,
+        checkpoint_folder(config.output_dir),
+        runtime,
+        state=state,
+        every_steps=config.checkpoint_every,
+        extra=settings,
+        async_save=config.async_checkpoint,
         unsafe_pickle=config.unsafe_pickle,
-    )  # fmt: skip
+    )
     return MnistTraining(
-        model, optimizer, inner_optimizer, comm_stats, train_loader, test_loader, precision,
-        schedule, ckpt, state, meter, settings, len(train_set), len(test_set),
+        model,
+        optimizer,
+        inner_optimizer,
+        comm_stats,
+        train_loader,
+        test_loader,
+        precision,
+        schedule,
+        ckpt,
+        state,
+        meter,
+        settings,
+        len(train_set),
+        len(test_set),
         LRStepper(schedule, config.epochs if runtime.live is not None else None),
-    )  # fmt: skip
+    )
 
 
 def _resume(config: TrainConfig, job: MnistTraining, plan: BatchPlan) -> int:
@@ -312,16 +328,23 @@ def _log_setup(config: TrainConfig, runtime: Runtime, dataset: str, job: MnistTr
     global_batch = config.batch_size * runtime.world_size * config.grad_accum
     log.info(
         "training %s on %d process(es), backend=%s, device=%s, %d train / %d test samples, "
-        "global batch %d", dataset, runtime.world_size, runtime.backend or "none",
-        runtime.device, job.num_train, job.num_test, global_batch,
-    )  # fmt: skip
+        "global batch %d",
+        dataset,
+        runtime.world_size,
+        runtime.backend or "none",
+        runtime.device,
+        job.num_train,
+        job.num_test,
+        global_batch,
+    )
     log.info(
         "gradient sync: strategy %s, compression %s, %s, bucket cap %s%s",
-        config.strategy, config.grad_compression,
+        config.strategy,
+        config.grad_compression,
         f"local SGD averaging every {config.sync_every} steps" if job.averager else "every step",
         "torch default" if config.bucket_cap_mb is None else f"{config.bucket_cap_mb} MiB",
         f", torch.compile backend {config.compile_backend}" if config.compile else "",
-    )  # fmt: skip
+    )
 
 
 def train_mnist(config: TrainConfig, runtime: Runtime, source: DataSource) -> dict:
@@ -372,10 +395,16 @@ def train_mnist(config: TrainConfig, runtime: Runtime, source: DataSource) -> di
         if test is None:  # resumed from a checkpoint taken at the very end: evaluate it
             test = evaluate(job.model, job.test_loader, runtime)
         summary = _summary(
-            config, runtime, job, train_step, test=test, dataset=source.dataset,
-            first_step=first_step, wall_s=time.perf_counter() - start,
+            config,
+            runtime,
+            job,
+            train_step,
+            test=test,
+            dataset=source.dataset,
+            first_step=first_step,
+            wall_s=time.perf_counter() - start,
             samples_per_s=samples_total / train_time_s if train_time_s else math.nan,
-        )  # fmt: skip
+        )
         summary["goodput"] = job.goodput.finish("completed", job.ckpt.save_s)
         summary["config"] = asdict(config)
         if summary["goodput"]:
@@ -428,16 +457,29 @@ def _build_step(
     timer = StepTimer(runtime, enabled=config.step_timing)
     guard = None if config.on_nonfinite == "off" else NonFiniteGuard(runtime, config.on_nonfinite)
     train_step = TrainStep(
-        job.model, job.optimizer, runtime=runtime, num_micro_steps=config.grad_accum,
-        precision=job.precision, clip_grad_norm=config.clip_grad_norm, guard=guard,
-        timer=timer, start_step=first_step, stragglers=_straggler_detector(config, runtime),
-    )  # fmt: skip
+        job.model,
+        job.optimizer,
+        runtime=runtime,
+        num_micro_steps=config.grad_accum,
+        precision=job.precision,
+        clip_grad_norm=config.clip_grad_norm,
+        guard=guard,
+        timer=timer,
+        start_step=first_step,
+        stragglers=_straggler_detector(config, runtime),
+    )
     output_dir = Path(config.output_dir)
     monitor = TrainingMonitor(
-        output_dir, runtime, timer, job.inner_optimizer, first_step,
-        config.log_every, config.progress, config.tensorboard,
+        output_dir,
+        runtime,
+        timer,
+        job.inner_optimizer,
+        first_step,
+        config.log_every,
+        config.progress,
+        config.tensorboard,
         exporters=Exporters(runtime, output_dir, **exporter_settings(config)),
-    )  # fmt: skip
+    )
     monitor.watch_ranks(train_step.stragglers)
     return train_step, monitor
 
@@ -573,9 +615,14 @@ def _check_finite(train_loss: float, epoch: int, *, guarded: bool) -> None:
 def _log_epoch(record: dict, num_epochs: int, note: str) -> None:
     get_logger("train").info(
         "epoch %d/%d  train_loss %.4f  test_loss %.4f  test_acc %.4f  %.0f samples/s%s",
-        record["epoch"], num_epochs, record["train_loss"], record["test_loss"],
-        record["test_accuracy"], record["samples_per_s"], note,
-    )  # fmt: skip
+        record["epoch"],
+        num_epochs,
+        record["train_loss"],
+        record["test_loss"],
+        record["test_accuracy"],
+        record["samples_per_s"],
+        note,
+    )
 
 
 def _write_outputs(output_dir: Path, runtime: Runtime, model: nn.Module, summary: dict) -> None:

@@ -155,10 +155,12 @@ def plan_batch(config: TrainConfig, world_size: int) -> BatchPlan:
 
 # what each strategy's model and optimizer load as (ddpkit.checkpoint.sharded.layout_of)
 STRATEGY_LAYOUTS = {
-    "fsdp": {"model": ("fsdp_model", "an FSDP model"),
-             "optimizer": ("fsdp_optimizer", "an optimizer over FSDP shards")},
+    "fsdp": {
+        "model": ("fsdp_model", "an FSDP model"),
+        "optimizer": ("fsdp_optimizer", "an optimizer over FSDP shards"),
+    },
     "zero1": {"optimizer": ("zero_optimizer", "a ZeroRedundancyOptimizer")},
-}  # fmt: skip
+}
 
 
 def check_strategy(config: TrainConfig, plan: BatchPlan) -> None:
@@ -180,8 +182,9 @@ def check_strategy(config: TrainConfig, plan: BatchPlan) -> None:
         ("optimizer", ("other", "an optimizer")),
     ):
         job, what = layouts.get(name, default)
-        problem = layout_refusal(folder, name, saved.get(name), job, f"{what} (--strategy "
-                                 f"{config.strategy})")  # fmt: skip
+        problem = layout_refusal(
+            folder, name, saved.get(name), job, f"{what} (--strategy {config.strategy})"
+        )
         if problem:
             raise ConfigError(problem)
 
@@ -212,8 +215,11 @@ def checkpoint_settings(config: TrainConfig, dataset: str, plan: BatchPlan) -> d
     takes ``ceil(N / G)`` optimizer steps (``--max-steps`` capping it) on any of them.
     """
     settings = {**resume_settings(config), "dataset": dataset}
-    settings.update(batch_size=plan.requested[0], grad_accum=plan.requested[1],
-                    global_batch_size=plan.global_batch_size)  # fmt: skip
+    settings.update(
+        batch_size=plan.requested[0],
+        grad_accum=plan.requested[1],
+        global_batch_size=plan.global_batch_size,
+    )
     return settings
 
 
