@@ -19,8 +19,8 @@ from torch.nn import functional as F
 
 import ddpkit
 from ddpkit.app.mnist.model import MnistCNN
-from ddpkit.distributed.env import ProcessInfo
-from ddpkit.distributed.process_group import Runtime
+from ddpkit.env import ProcessInfo
+from ddpkit.runtime.process_group import Runtime
 
 
 def main() -> None:

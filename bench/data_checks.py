@@ -22,7 +22,7 @@ import torch
 from torch.utils.data import TensorDataset, random_split
 
 import ddpkit
-import ddpkit.distributed.sampler as sampler_module
+import ddpkit.data.sampler as sampler_module
 from ddpkit.testing import run_distributed
 
 _REAL = sampler_module.dataset_fingerprint

@@ -60,8 +60,8 @@ def rank_kill_trial(rng: random.Random, workdir: Path) -> tuple[bool, str]:
 def writer_kill_trial(rng: random.Random, directory: Path) -> tuple[bool, str]:
 
     import ddpkit
-    from ddpkit.distributed.env import ProcessInfo
-    from ddpkit.distributed.process_group import Runtime
+    from ddpkit.env import ProcessInfo
+    from ddpkit.runtime.process_group import Runtime
 
     proc = subprocess.Popen(
         [sys.executable, "-m", "ddpkit.testing.checkpoint_writer", str(directory), "--mnist"],

@@ -23,8 +23,8 @@ import torch
 from torch.utils.data import TensorDataset
 
 import ddpkit
-from ddpkit.distributed.env import ProcessInfo
-from ddpkit.distributed.process_group import Runtime
+from ddpkit.env import ProcessInfo
+from ddpkit.runtime.process_group import Runtime
 
 NUM_SAMPLES, BATCH = 60_000, 64
 

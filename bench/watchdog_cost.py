@@ -30,9 +30,9 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from ddpkit.distributed.env import ProcessInfo
-from ddpkit.distributed.position import locate
-from ddpkit.distributed.watchdog import Watchdog
+from ddpkit.env import ProcessInfo
+from ddpkit.watchdog.monitor import Watchdog
+from ddpkit.watchdog.position import locate
 
 
 def heartbeat_cost(num_ticks: int) -> None:

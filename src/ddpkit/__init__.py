@@ -35,25 +35,15 @@ from ddpkit.errors import ConfigError, DataError, DdpkitError, DistributedError
 if TYPE_CHECKING:  # what type checkers and IDEs see; at run time, __getattr__ below
     from ddpkit.checkpoint.manager import CheckpointManager
     from ddpkit.checkpoint.state import load_model_state
-    from ddpkit.diagnostics.translate import explain
-    from ddpkit.distributed.collectives import (
-        all_gather,
-        all_gather_object,
-        all_reduce,
-        all_reduce_sum,
-        barrier,
-    )
-    from ddpkit.distributed.env import ProcessInfo, detect_process_info
-    from ddpkit.distributed.process_group import Runtime, init_runtime, resolve_backend
-    from ddpkit.distributed.resize import fit_global_batch
-    from ddpkit.distributed.sampler import (
+    from ddpkit.data.resize import fit_global_batch
+    from ddpkit.data.sampler import (
         ShardedLoader,
         UnpaddedDistributedSampler,
         build_eval_loader,
         build_train_loader,
     )
-    from ddpkit.distributed.stop import TrainingStopped
-    from ddpkit.distributed.watchdog import DeadlockError, StallError
+    from ddpkit.diagnostics.translate import explain
+    from ddpkit.env import ProcessInfo, detect_process_info
     from ddpkit.guards.grad_sync import GradSyncCheck, GradSyncError
     from ddpkit.guards.nonfinite import NonFiniteError, NonFiniteGuard
     from ddpkit.guards.replicas import ReplicaDivergenceError, check_replicas
@@ -64,6 +54,15 @@ if TYPE_CHECKING:  # what type checkers and IDEs see; at run time, __getattr__ b
     from ddpkit.parallel.syncbn import convert_sync_batchnorm
     from ddpkit.parallel.wrap import model_state_dict, unwrap_model, wrap_model
     from ddpkit.parallel.zero import build_zero_optimizer
+    from ddpkit.runtime.collectives import (
+        all_gather,
+        all_gather_object,
+        all_reduce,
+        all_reduce_sum,
+        barrier,
+    )
+    from ddpkit.runtime.process_group import Runtime, init_runtime, resolve_backend
+    from ddpkit.runtime.stop import TrainingStopped
     from ddpkit.training.accumulation import GradientAccumulator
     from ddpkit.training.dynamic import UnusedParameterDiagnosis, UnusedParameterError
     from ddpkit.training.evaluate import evaluate
@@ -73,6 +72,7 @@ if TYPE_CHECKING:  # what type checkers and IDEs see; at run time, __getattr__ b
     from ddpkit.training.step import StepResult, TrainStep
     from ddpkit.training.stragglers import StragglerDetector
     from ddpkit.training.uneven import UnevenInputsError, join_uneven_inputs, verify_even_batches
+    from ddpkit.watchdog.monitor import DeadlockError, StallError
 
 __version__ = "0.1.0"
 
@@ -141,7 +141,7 @@ _API_MODULES = {
     "ConfigError": "ddpkit.errors",
     "DataError": "ddpkit.errors",
     "DdpkitError": "ddpkit.errors",
-    "DeadlockError": "ddpkit.distributed.watchdog",
+    "DeadlockError": "ddpkit.watchdog.monitor",
     "DistributedError": "ddpkit.errors",
     "GradSyncCheck": "ddpkit.guards.grad_sync",
     "GradSyncError": "ddpkit.guards.grad_sync",
@@ -149,44 +149,44 @@ _API_MODULES = {
     "MixedPrecision": "ddpkit.training.precision",
     "NonFiniteError": "ddpkit.guards.nonfinite",
     "NonFiniteGuard": "ddpkit.guards.nonfinite",
-    "ProcessInfo": "ddpkit.distributed.env",
+    "ProcessInfo": "ddpkit.env",
     "ReplicaDivergenceError": "ddpkit.guards.replicas",
-    "Runtime": "ddpkit.distributed.process_group",
-    "ShardedLoader": "ddpkit.distributed.sampler",
-    "StallError": "ddpkit.distributed.watchdog",
+    "Runtime": "ddpkit.runtime.process_group",
+    "ShardedLoader": "ddpkit.data.sampler",
+    "StallError": "ddpkit.watchdog.monitor",
     "StepResult": "ddpkit.training.step",
     "StepTimer": "ddpkit.training.observe",
     "StragglerDetector": "ddpkit.training.stragglers",
     "TrainStep": "ddpkit.training.step",
-    "TrainingStopped": "ddpkit.distributed.stop",
+    "TrainingStopped": "ddpkit.runtime.stop",
     "UnevenInputsError": "ddpkit.training.uneven",
-    "UnpaddedDistributedSampler": "ddpkit.distributed.sampler",
+    "UnpaddedDistributedSampler": "ddpkit.data.sampler",
     "UnusedParameterDiagnosis": "ddpkit.training.dynamic",
     "UnusedParameterError": "ddpkit.training.dynamic",
     "WrappedModelError": "ddpkit.guards.wrapped",
-    "all_gather": "ddpkit.distributed.collectives",
-    "all_gather_object": "ddpkit.distributed.collectives",
-    "all_reduce": "ddpkit.distributed.collectives",
-    "all_reduce_sum": "ddpkit.distributed.collectives",
-    "barrier": "ddpkit.distributed.collectives",
-    "build_eval_loader": "ddpkit.distributed.sampler",
-    "build_train_loader": "ddpkit.distributed.sampler",
+    "all_gather": "ddpkit.runtime.collectives",
+    "all_gather_object": "ddpkit.runtime.collectives",
+    "all_reduce": "ddpkit.runtime.collectives",
+    "all_reduce_sum": "ddpkit.runtime.collectives",
+    "barrier": "ddpkit.runtime.collectives",
+    "build_eval_loader": "ddpkit.data.sampler",
+    "build_train_loader": "ddpkit.data.sampler",
     "build_zero_optimizer": "ddpkit.parallel.zero",
     "check_replicas": "ddpkit.guards.replicas",
     "configure_logging": "ddpkit.log",
     "convert_sync_batchnorm": "ddpkit.parallel.syncbn",
-    "detect_process_info": "ddpkit.distributed.env",
+    "detect_process_info": "ddpkit.env",
     "enable_local_sgd": "ddpkit.parallel.local_sgd",
     "evaluate": "ddpkit.training.evaluate",
     "explain": "ddpkit.diagnostics.translate",
-    "fit_global_batch": "ddpkit.distributed.resize",
+    "fit_global_batch": "ddpkit.data.resize",
     "get_logger": "ddpkit.log",
-    "init_runtime": "ddpkit.distributed.process_group",
+    "init_runtime": "ddpkit.runtime.process_group",
     "join_uneven_inputs": "ddpkit.training.uneven",
     "load_model_state": "ddpkit.checkpoint.state",
     "model_state_dict": "ddpkit.parallel.wrap",
     "peak_memory_mb": "ddpkit.training.observe",
-    "resolve_backend": "ddpkit.distributed.process_group",
+    "resolve_backend": "ddpkit.runtime.process_group",
     "train_epoch": "ddpkit.training.loop",
     "unwrap_model": "ddpkit.parallel.wrap",
     "verify_even_batches": "ddpkit.training.uneven",

@@ -14,7 +14,7 @@ from __future__ import annotations
 import logging
 import sys
 
-from ddpkit.distributed.env import ProcessInfo
+from ddpkit.env import ProcessInfo
 
 _HANDLER_TAG = "_ddpkit_handler"
 

@@ -251,8 +251,8 @@ def test_what_the_workers_would_refuse_is_refused_before_they_start(tmp_path, ca
     import torch
 
     import ddpkit
-    from ddpkit.distributed.env import ProcessInfo
-    from ddpkit.distributed.process_group import Runtime
+    from ddpkit.env import ProcessInfo
+    from ddpkit.runtime.process_group import Runtime
 
     model = torch.nn.Linear(4, 4)  # an own loop's checkpoint, not ddpkit train's
     state = {"model": model, "optimizer": torch.optim.SGD(model.parameters(), lr=0.1)}

@@ -12,8 +12,8 @@ from torch.nn import functional as F
 from torch.utils.data import TensorDataset
 
 import ddpkit
-from ddpkit.distributed.env import ProcessInfo
-from ddpkit.distributed.process_group import Runtime
+from ddpkit.env import ProcessInfo
+from ddpkit.runtime.process_group import Runtime
 from ddpkit.testing import DistributedTestError, run_distributed
 from ddpkit.training.accumulation import GradientAccumulator
 

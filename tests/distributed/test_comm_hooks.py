@@ -183,9 +183,9 @@ def test_powersgd_on_gloo_gets_one_bucket():
 
 
 def test_powersgd_with_a_small_explicit_bucket_cap_is_refused():
-    from ddpkit.distributed.env import ProcessInfo
-    from ddpkit.distributed.process_group import Runtime
+    from ddpkit.env import ProcessInfo
     from ddpkit.parallel.comm import powersgd_bucket_cap_mb
+    from ddpkit.runtime.process_group import Runtime
 
     gloo = Runtime(ProcessInfo(), backend="gloo", device=torch.device("cpu"))
     with pytest.raises(ddpkit.ConfigError, match="needs every gradient in one DDP bucket"):
@@ -211,8 +211,8 @@ def test_bucket_cap_and_gradient_as_bucket_view():
 
 
 def test_bad_compression_is_a_config_error():
-    from ddpkit.distributed.env import ProcessInfo
-    from ddpkit.distributed.process_group import Runtime
+    from ddpkit.env import ProcessInfo
+    from ddpkit.runtime.process_group import Runtime
 
     single = Runtime(ProcessInfo())
     with pytest.raises(ddpkit.ConfigError, match="grad_compression='int8' is not one of"):

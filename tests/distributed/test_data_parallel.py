@@ -8,8 +8,8 @@ import torch
 from torch import nn
 
 import ddpkit
-from ddpkit.distributed.env import ProcessInfo
-from ddpkit.distributed.process_group import Runtime
+from ddpkit.env import ProcessInfo
+from ddpkit.runtime.process_group import Runtime
 from ddpkit.testing import run_distributed
 
 NUM_CUDA = torch.cuda.device_count() if torch.cuda.is_available() else 0

@@ -44,7 +44,7 @@ class _Records(logging.Handler):
 
 def _join_with_probe(store, probes):
     """Rank r's probe is ``probes[r]`` (a forked rank cannot change its real hash secret)."""
-    import ddpkit.distributed.rendezvous as rendezvous
+    import ddpkit.runtime.rendezvous as rendezvous
 
     rank = int(os.environ["RANK"])
     rendezvous.str_hash_probe = lambda: probes[rank]  # this rank's process only

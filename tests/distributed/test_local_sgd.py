@@ -150,8 +150,8 @@ def test_a_comm_hook_static_graph_or_join_with_local_sgd_is_refused():
 
 
 def test_sync_every_below_two_is_refused():
-    from ddpkit.distributed.env import ProcessInfo
-    from ddpkit.distributed.process_group import Runtime
+    from ddpkit.env import ProcessInfo
+    from ddpkit.runtime.process_group import Runtime
 
     single = Runtime(ProcessInfo())
     model = _net()

@@ -7,8 +7,8 @@ import os
 import pytest
 
 import ddpkit
-from ddpkit.distributed.env import ProcessInfo
-from ddpkit.distributed.rendezvous import PREFIX
+from ddpkit.env import ProcessInfo
+from ddpkit.runtime.rendezvous import PREFIX
 from ddpkit.security.bind import (
     check_store_address,
     interface_of,

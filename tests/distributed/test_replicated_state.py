@@ -19,9 +19,9 @@ from torch.utils.data import DataLoader, TensorDataset
 
 import ddpkit
 from ddpkit.checkpoint.lock import LOCK_NAME
-from ddpkit.distributed.env import ProcessInfo
-from ddpkit.distributed.process_group import Runtime
+from ddpkit.env import ProcessInfo
 from ddpkit.guards.nonfinite import ReplicaDivergenceError, check_replicas
+from ddpkit.runtime.process_group import Runtime
 from ddpkit.testing import DistributedTestError, run_distributed
 
 NUM_STEPS = 6

@@ -19,7 +19,7 @@ from torch.utils.data import (
 )
 
 import ddpkit
-from ddpkit.distributed.env import ProcessInfo
+from ddpkit.env import ProcessInfo
 from ddpkit.testing import DistributedTestError, run_distributed
 
 
@@ -249,7 +249,7 @@ def test_gathered_eval_predictions_are_in_dataset_order():
 
 
 def test_the_fingerprint_names_the_string_hash_cause_when_the_runtime_saw_one():
-    from ddpkit.distributed.fingerprint import dataset_fingerprint, fingerprint_mismatch
+    from ddpkit.data.fingerprint import dataset_fingerprint, fingerprint_mismatch
 
     a = dataset_fingerprint(Relabelled(10, rank=0))
     b = dataset_fingerprint(Relabelled(10, rank=1))
@@ -262,7 +262,7 @@ def test_the_fingerprint_names_the_string_hash_cause_when_the_runtime_saw_one():
 def test_the_fingerprint_sees_concat_sizes_and_ignores_augmentation():
     from torch.utils.data import ConcatDataset
 
-    from ddpkit.distributed.fingerprint import dataset_fingerprint
+    from ddpkit.data.fingerprint import dataset_fingerprint
 
     torch.manual_seed(0)
     first = dataset_fingerprint(Augmented(12))
@@ -278,7 +278,7 @@ def test_the_fingerprint_sees_concat_sizes_and_ignores_augmentation():
 def test_labels_of_objects_and_bfloat16_rows_fingerprint_alike_in_two_builds():
     import numpy as np
 
-    from ddpkit.distributed.fingerprint import dataset_fingerprint
+    from ddpkit.data.fingerprint import dataset_fingerprint
 
     class Labelled(Dataset):
         def __init__(self, labels) -> None:

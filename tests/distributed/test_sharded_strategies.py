@@ -15,8 +15,8 @@ from torch import nn
 from torch.utils.data import TensorDataset
 
 import ddpkit
-from ddpkit.distributed.env import ProcessInfo
-from ddpkit.distributed.process_group import Runtime
+from ddpkit.env import ProcessInfo
+from ddpkit.runtime.process_group import Runtime
 from ddpkit.testing import run_distributed
 
 NUM_STEPS = 6

@@ -1,6 +1,6 @@
 """A finished job exits cleanly: no gloo thread survives the runtime's close.
 
-Root cause of the exit-time abort (see ddpkit.distributed.process_group): torch's
+Root cause of the exit-time abort (see ddpkit.runtime.process_group): torch's
 ``torch.distributed.nn.functional`` captures the live default group in its functions' default
 arguments when DDP imports it after ``init_process_group``; the group can then never be freed and
 its threads are torn down during interpreter finalization.

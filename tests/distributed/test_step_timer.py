@@ -16,7 +16,7 @@ from torch import nn
 from torch.utils.data import Dataset
 
 import ddpkit
-from ddpkit.distributed.process_group import Runtime
+from ddpkit.runtime.process_group import Runtime
 from ddpkit.testing import run_distributed
 from ddpkit.training.observe import PHASES, StepTimer
 from tests.distributed.sleeps import SleepInBackward

@@ -14,7 +14,7 @@ from torch.utils.data import TensorDataset
 
 import ddpkit
 from ddpkit.checkpoint.io import load_checkpoint
-from ddpkit.distributed.stop import MAX_CHECK_CALLS
+from ddpkit.runtime.stop import MAX_CHECK_CALLS
 from ddpkit.testing import run_distributed
 
 TOTAL_STEPS = 40

@@ -20,7 +20,7 @@ from torch import nn
 from torch.utils.data import Dataset
 
 import ddpkit
-from ddpkit.distributed.process_group import ProcessInfo, Runtime
+from ddpkit.runtime.process_group import ProcessInfo, Runtime
 from ddpkit.testing import run_distributed
 from ddpkit.training.stragglers import RankWindow, StragglerDetector, judge
 from tests.distributed.sleeps import SleepInBackward

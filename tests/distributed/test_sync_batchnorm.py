@@ -101,9 +101,9 @@ def test_sync_batchnorm_equals_one_batchnorm_over_all_ranks(world_size):
 
 
 def test_model_without_batchnorm_is_unchanged(caplog):
-    from ddpkit.distributed.env import ProcessInfo
-    from ddpkit.distributed.process_group import Runtime
+    from ddpkit.env import ProcessInfo
     from ddpkit.parallel.syncbn import convert_sync_batchnorm
+    from ddpkit.runtime.process_group import Runtime
 
     runtime = Runtime(ProcessInfo())
     model = nn.Linear(2, 2)

@@ -19,9 +19,9 @@ from torch.utils.data import TensorDataset
 
 import ddpkit
 from ddpkit import StepResult, TrainStep, train_epoch
-from ddpkit.distributed.env import ProcessInfo
-from ddpkit.distributed.process_group import Runtime
+from ddpkit.env import ProcessInfo
 from ddpkit.guards.nonfinite import NonFiniteGuard
+from ddpkit.runtime.process_group import Runtime
 from ddpkit.testing import run_distributed
 from ddpkit.training.precision import MixedPrecision
 

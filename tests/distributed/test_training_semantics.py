@@ -12,8 +12,8 @@ from torch.nn import functional as F
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
 import ddpkit
-from ddpkit.distributed.env import ProcessInfo
-from ddpkit.distributed.process_group import Runtime
+from ddpkit.env import ProcessInfo
+from ddpkit.runtime.process_group import Runtime
 from ddpkit.testing import run_distributed
 
 NUM_STEPS = 20

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import ddpkit
-from ddpkit.distributed.env import ProcessInfo
+from ddpkit.env import ProcessInfo
 from ddpkit.testing import run_distributed
 from tests.helpers import run_cli
 

@@ -258,8 +258,8 @@ def test_without_tensorboard_one_info_line(tmp_path, monkeypatch, caplog):
     import logging
 
     from ddpkit.app.mnist.monitor import open_tensorboard
-    from ddpkit.distributed.env import ProcessInfo
-    from ddpkit.distributed.process_group import Runtime
+    from ddpkit.env import ProcessInfo
+    from ddpkit.runtime.process_group import Runtime
 
     monkeypatch.setitem(sys.modules, "tensorboard", None)  # import tensorboard -> ImportError
     runtime = Runtime(ProcessInfo())

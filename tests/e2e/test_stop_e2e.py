@@ -25,7 +25,7 @@ import torch
 
 from ddpkit.checkpoint.io import list_checkpoints, load_checkpoint
 from ddpkit.checkpoint.lock import LOCK_NAME
-from ddpkit.distributed.stop import DUPLICATE_WINDOW_S
+from ddpkit.runtime.stop import DUPLICATE_WINDOW_S
 from tests.helpers import descendants, pid_alive, run_cli
 
 TRAIN = ["-m", "ddpkit", "train", "--dataset", "digits", "--nproc", "2", "--log-every", "1"]

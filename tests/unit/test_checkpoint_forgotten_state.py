@@ -15,8 +15,8 @@ import torch
 from torch import nn
 
 import ddpkit
-from ddpkit.distributed.env import ProcessInfo
-from ddpkit.distributed.process_group import Runtime
+from ddpkit.env import ProcessInfo
+from ddpkit.runtime.process_group import Runtime
 
 SCHEDULER_LINE = (
     "checkpoint state has no LR scheduler: state['optimizer'] is driven by StepLR, which is "

@@ -15,9 +15,9 @@ from torch import nn
 
 import ddpkit
 from ddpkit.checkpoint.io import list_checkpoints, load_checkpoint
-from ddpkit.distributed.env import ProcessInfo
-from ddpkit.distributed.process_group import Runtime
+from ddpkit.env import ProcessInfo
 from ddpkit.errors import DataError
+from ddpkit.runtime.process_group import Runtime
 from tests.helpers import run_main
 
 

@@ -21,8 +21,8 @@ from torch import nn
 import ddpkit
 from ddpkit.checkpoint.io import list_checkpoints
 from ddpkit.checkpoint.lock import LOCK_NAME
-from ddpkit.distributed.env import ProcessInfo
-from ddpkit.distributed.process_group import Runtime
+from ddpkit.env import ProcessInfo
+from ddpkit.runtime.process_group import Runtime
 from tests.helpers import checkpoint_writer
 
 

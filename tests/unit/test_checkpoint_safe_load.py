@@ -22,7 +22,7 @@ from torch import nn
 import ddpkit
 from ddpkit.checkpoint.io import MANIFEST, STATE_FILE
 from ddpkit.checkpoint.sharded import load_in_this_process, safe_reader
-from ddpkit.distributed.env import ProcessInfo
+from ddpkit.env import ProcessInfo
 from tests.helpers import run_cli
 
 

@@ -15,9 +15,9 @@ from torch import nn
 import ddpkit
 from ddpkit.checkpoint.io import load_checkpoint
 from ddpkit.checkpoint.lock import LOCK_NAME
-from ddpkit.distributed.env import ProcessInfo
-from ddpkit.distributed.process_group import Runtime
+from ddpkit.env import ProcessInfo
 from ddpkit.errors import DataError
+from ddpkit.runtime.process_group import Runtime
 
 
 def _runtime() -> Runtime:

@@ -16,10 +16,10 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 import ddpkit
 from ddpkit.app.mnist.config import TrainConfig, check
-from ddpkit.distributed.env import ProcessInfo
-from ddpkit.distributed.process_group import Runtime
+from ddpkit.env import ProcessInfo
 from ddpkit.guards import grad_sync
 from ddpkit.parallel.compile import compile_wrapped, prepare_compile
+from ddpkit.runtime.process_group import Runtime
 
 SINGLE = Runtime(ProcessInfo())
 

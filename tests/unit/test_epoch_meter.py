@@ -7,8 +7,8 @@ is tests/e2e/test_train_e2e.py::test_killed_rank_restarts_and_resumes_to_the_sam
 from __future__ import annotations
 
 from ddpkit.app.mnist.epoch_meter import EpochMeter, coverage_note
-from ddpkit.distributed.env import ProcessInfo
-from ddpkit.distributed.process_group import Runtime
+from ddpkit.env import ProcessInfo
+from ddpkit.runtime.process_group import Runtime
 from ddpkit.training.step import StepResult
 
 SINGLE = Runtime(ProcessInfo())

@@ -14,7 +14,7 @@ from torch.utils.data import DistributedSampler
 
 import ddpkit
 from ddpkit.diagnostics.translate import add_hint_note, check_start_method, explain
-from ddpkit.distributed.env import ProcessInfo
+from ddpkit.env import ProcessInfo
 from ddpkit.testing import run_distributed
 
 RANK_1_OF_2 = ProcessInfo(rank=1, local_rank=1, world_size=2, local_world_size=2, source="torchrun")

@@ -20,12 +20,12 @@ Fatal Python error: Aborted
 
 Thread 0x00007fdaa2ffd6c0 (most recent call first):
   File "/usr/lib/python3.11/threading.py", line 331 in wait
-  File "/site-packages/ddpkit/distributed/watchdog.py", line 182 in _run
+  File "/site-packages/ddpkit/watchdog/monitor.py", line 182 in _run
 
 Thread 0x00007fdad2418b80 (most recent call first):
   File "/site-packages/torch/distributed/distributed_c10d.py", line 3252 in all_reduce
   File "/site-packages/torch/distributed/c10d_logger.py", line 83 in wrapper
-  File "/site-packages/ddpkit/distributed/collectives.py", line 96 in all_reduce
+  File "/site-packages/ddpkit/runtime/collectives.py", line 96 in all_reduce
   File "mm.py", line 3 in <module>
   File "<frozen runpy>", line 88 in _run_code
   File "/site-packages/ddpkit/launch/worker.py", line 129 in run_target
@@ -140,7 +140,7 @@ def test_the_failure_line_names_the_newest_checkpoint_a_manager_of_the_job_saved
 
     import ddpkit
     from ddpkit.diagnostics.failures import RUN_DIR_ENV
-    from ddpkit.distributed.env import ProcessInfo
+    from ddpkit.env import ProcessInfo
     from ddpkit.launch.launcher import _kept_after_failure
 
     spec = LaunchSpec(target=["train.py"], nproc=2, resume_command="ddpkit run -n 2 train.py")

@@ -14,8 +14,8 @@ from ddpkit.app.mnist.goodput import (
     read_attempts,
     summarize,
 )
-from ddpkit.distributed.env import ProcessInfo
-from ddpkit.distributed.process_group import Runtime
+from ddpkit.env import ProcessInfo
+from ddpkit.runtime.process_group import Runtime
 
 
 def _attempt(restart, start, last, resumed, furthest, startup=2.0, loop=10.0, ckpt=1.0, ev=0.5):

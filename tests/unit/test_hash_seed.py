@@ -7,14 +7,14 @@ from pathlib import Path
 
 import pytest
 
-from ddpkit.distributed.hashseed import (
+from ddpkit.launch.launcher import LaunchSpec, _run_id, _worker_environment
+from ddpkit.launch.network import plan_network
+from ddpkit.runtime.hashseed import (
     HASH_SEED_ENV,
     hash_seed_environment,
     job_hash_seed,
     str_hashes_warning,
 )
-from ddpkit.launch.launcher import LaunchSpec, _run_id, _worker_environment
-from ddpkit.launch.network import plan_network
 
 PROBE = str(Path(__file__).resolve().parents[1] / "cli" / "scripts" / "probe.py")
 

@@ -14,23 +14,24 @@ import ddpkit
 
 PACKAGE = Path(ddpkit.__file__).resolve().parent
 
-# lowest first; a module may import from its own layer and any layer before it
+# lowest first; a module may import from its own layer and any layer before it. Inside the
+# library each package has a layer of its own, so an import cycle between two packages fails here.
 LAYERS = (
-    ("errors", "files", "settings"),
+    ("errors", "files", "settings", "env"),
     # the library: what a user's own loop imports (``ddpkit/__init__.py`` is its public face)
-    (
-        "__init__",
-        "log",
-        "security",
-        "diagnostics",
-        "distributed",
-        "parallel",
-        "training",
-        "guards",
-        "checkpoint",
-        "live",  # live fault tolerance: the worker's membership and the launcher's lighthouse
-        "monitoring",  # Prometheus endpoint and experiment trackers (optional libraries)
-    ),
+    ("log",),
+    ("security",),  # the rendezvous token and bind checks, the allow-list unpickler
+    ("watchdog",),  # each rank's position in its stack, the hang verdicts and reports
+    ("diagnostics",),  # torch's errors translated, a peer's failure recognised, disk checks
+    ("live",),  # live fault tolerance: the worker's membership and the launcher's lighthouse
+    ("runtime",),  # the process group, rendezvous, collectives, the agreed stop
+    ("data",),  # sharded samplers and loaders, seeding, the same-data check
+    ("guards",),
+    ("parallel",),
+    ("training",),
+    ("checkpoint",),
+    ("monitoring",),  # Prometheus endpoint and experiment trackers (optional libraries)
+    ("__init__",),
     ("launch",),  # ddpkit run, the worker bootstrap, the process spawner, doctor
     ("app",),  # the MNIST job of ddpkit train
     ("cli", "bench", "testing", "__main__"),
@@ -39,7 +40,7 @@ LAYER_OF = {name: index for index, names in enumerate(LAYERS) for name in names}
 
 
 def _top(module: str) -> str | None:
-    """``ddpkit.distributed.env`` -> ``distributed``; ``ddpkit`` -> ``__init__``; else None."""
+    """``ddpkit.runtime.stop`` -> ``runtime``; ``ddpkit`` -> ``__init__``; else None."""
     parts = module.split(".")
     if parts[0] != "ddpkit":
         return None
@@ -83,7 +84,7 @@ def test_no_package_imports_from_a_higher_layer():
 
 def test_an_upward_import_is_reported_even_inside_a_function(tmp_path):
     # the usual way an upward import sneaks in is deferred or relative; the walk must see both
-    core = tmp_path / "distributed"
+    core = tmp_path / "runtime"
     core.mkdir()
     (core / "x.py").write_text(
         "from ddpkit.errors import ConfigError\n"
@@ -91,6 +92,6 @@ def test_an_upward_import_is_reported_even_inside_a_function(tmp_path):
         "def g():\n    from ..cli import main\n"
     )
     assert upward_imports(tmp_path) == [
-        "distributed/x.py:3: distributed (layer 1) imports ddpkit.launch (layer 2)",
-        "distributed/x.py:5: distributed (layer 1) imports ddpkit.cli (layer 4)",
+        "runtime/x.py:3: runtime (layer 6) imports ddpkit.launch (layer 14)",
+        "runtime/x.py:5: runtime (layer 6) imports ddpkit.cli (layer 16)",
     ]

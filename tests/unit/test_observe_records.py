@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from ddpkit.app.mnist.outputs import append_record, read_records, reset_outputs
-from ddpkit.distributed.env import ProcessInfo
-from ddpkit.distributed.process_group import Runtime
+from ddpkit.env import ProcessInfo
+from ddpkit.runtime.process_group import Runtime
 from ddpkit.training.observe import PHASES, StepTimer, peak_memory_mb
 
 

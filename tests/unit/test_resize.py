@@ -16,9 +16,9 @@ import torch
 from torch.utils.data import DistributedSampler, IterableDataset, TensorDataset
 
 import ddpkit
-from ddpkit.distributed.env import ProcessInfo
-from ddpkit.distributed.process_group import Runtime
+from ddpkit.env import ProcessInfo
 from ddpkit.errors import ConfigError
+from ddpkit.runtime.process_group import Runtime
 
 
 def _runtime(rank: int, world_size: int) -> Runtime:

@@ -13,9 +13,9 @@ from torch import nn
 from torch.utils.data import TensorDataset
 
 import ddpkit
-from ddpkit.distributed.env import ProcessInfo, detect_process_info, slurm_rendezvous_defaults
-from ddpkit.distributed.process_group import Runtime
+from ddpkit.env import ProcessInfo, detect_process_info, slurm_rendezvous_defaults
 from ddpkit.errors import ConfigError, DistributedError
+from ddpkit.runtime.process_group import Runtime
 
 
 def _runtime(rank: int = 0, world_size: int = 1) -> Runtime:
@@ -284,7 +284,7 @@ def test_a_listener_that_is_no_store_is_named_within_the_timeout_not_waited_on_f
     import threading
     import time
 
-    from ddpkit.distributed.rendezvous import STORE_GRACE_S, connect_store
+    from ddpkit.runtime.rendezvous import STORE_GRACE_S, connect_store
 
     listener = socket.create_server(("127.0.0.1", 0))  # another program on MASTER_PORT
     port = listener.getsockname()[1]

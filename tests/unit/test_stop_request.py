@@ -13,16 +13,16 @@ import pytest
 import torch
 
 import ddpkit
-from ddpkit.distributed import stop as stop_module
-from ddpkit.distributed.env import ProcessInfo
-from ddpkit.distributed.stop import (
+from ddpkit.env import ProcessInfo
+from ddpkit.errors import ConfigError
+from ddpkit.runtime import stop as stop_module
+from ddpkit.runtime.stop import (
     StopRequest,
     TrainingStopped,
     default_stop_signals,
     grace_period_s,
     parse_stop_signals,
 )
-from ddpkit.errors import ConfigError
 
 
 @pytest.fixture
@@ -218,7 +218,7 @@ def test_without_stop_signals_the_runtime_never_stops(tmp_path):
 
 UNANSWERED = """
 import os, signal, sys, time
-from ddpkit.distributed.stop import StopRequest
+from ddpkit.runtime.stop import StopRequest
 request = StopRequest((signal.SIGTERM,), fallback_s=0.5)
 request.install()
 request.arm()
@@ -252,7 +252,7 @@ def test_under_ddpkit_run_the_stop_record_is_written_before_the_teardown(tmp_pat
     # a teardown that hangs (a peer gone) must not turn a clean stop into "did not stop within
     # the grace period": the launcher's record exists before the runtime closes
     from ddpkit.diagnostics.failures import RUN_DIR_ENV, read_stop_records
-    from ddpkit.distributed.process_group import Runtime
+    from ddpkit.runtime.process_group import Runtime
 
     monkeypatch.setenv(RUN_DIR_ENV, str(tmp_path))
     seen_at_close: list[list] = []
@@ -311,7 +311,7 @@ def test_a_stop_agreed_on_a_request_of_this_process_is_marked_here():
 
 AGREE_AND_RETURN = """
 import signal, sys
-from ddpkit.distributed.stop import StopRequest
+from ddpkit.runtime.stop import StopRequest
 
 request = StopRequest([signal.SIGTERM])
 if "here" in sys.argv:
@@ -336,9 +336,9 @@ def test_a_script_that_breaks_on_stop_requested_exits_like_a_training_stopped(
 ):
     # an own loop that does `if rt.stop_requested(): save(); break` and returns normally
     from ddpkit.diagnostics.failures import RUN_DIR_ENV
-    from ddpkit.distributed import stop
     from ddpkit.launch import worker
     from ddpkit.launch.elastic import ELASTIC_ENV
+    from ddpkit.runtime import stop
 
     monkeypatch.setattr(stop, "_LAST_AGREEMENT", [])
     monkeypatch.setenv(RUN_DIR_ENV, str(tmp_path))

@@ -8,7 +8,7 @@ import threading
 
 import pytest
 
-from ddpkit.distributed.position import (
+from ddpkit.watchdog.position import (
     BACKWARD,
     COLLECTIVE,
     RUNNING,
@@ -16,7 +16,7 @@ from ddpkit.distributed.position import (
     Position,
     locate,
 )
-from ddpkit.distributed.stall_report import describe, find_deadlock
+from ddpkit.watchdog.stall_report import describe, find_deadlock
 
 
 def _in(op: str, group: str = "0", ranks=(0, 1), seq: int | None = 3, site: str = "t.py:1"):
@@ -98,8 +98,8 @@ def test_a_rank_gathering_stacks_never_hides_a_peers_abort():
     # never ended, and the reporter's exit made its collective fail: an echo of the report.
     import torch.distributed as dist
 
-    from ddpkit.distributed.env import ProcessInfo
-    from ddpkit.distributed.watchdog import PREFIX, Watchdog
+    from ddpkit.env import ProcessInfo
+    from ddpkit.watchdog.monitor import PREFIX, Watchdog
 
     store = dist.HashStore()
     ranks = [Watchdog(store, ProcessInfo(rank=r, world_size=2)) for r in (0, 1)]
@@ -117,7 +117,7 @@ def test_a_rank_gathering_stacks_never_hides_a_peers_abort():
 def test_a_stall_with_the_peer_blocked_in_ddps_forward_says_the_collectives_differ():
     # rank 0's logging all_reduce inside `if rank == 0:` at step 0; rank 1 went on to step 1,
     # where DDP's forward rebuilds its buckets (a broadcast in C++): no c10d frame to match
-    from ddpkit.distributed.stall_report import STALL_ADVICE, stall_report
+    from ddpkit.watchdog.stall_report import STALL_ADVICE, stall_report
 
     ddp_forward = Position(WAITING, "_pre_forward", site="train.py:30")
     report = stall_report(

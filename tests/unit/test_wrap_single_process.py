@@ -12,8 +12,8 @@ import pytest
 from torch import nn
 
 import ddpkit
-from ddpkit.distributed.env import ProcessInfo
-from ddpkit.distributed.process_group import Runtime
+from ddpkit.env import ProcessInfo
+from ddpkit.runtime.process_group import Runtime
 
 SINGLE = Runtime(ProcessInfo())
 

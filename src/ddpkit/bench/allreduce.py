@@ -40,9 +40,9 @@ from ddpkit.bench.report import (
     write_csv,
     write_json,
 )
-from ddpkit.distributed.env import ProcessInfo
-from ddpkit.distributed.process_group import BACKENDS, Runtime, resolve_backend
+from ddpkit.env import ProcessInfo
 from ddpkit.errors import ConfigError, DistributedError
+from ddpkit.runtime.process_group import BACKENDS, Runtime, resolve_backend
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 MIN_REPEATS = 3  # the time budget never cuts a size below this many timed ops

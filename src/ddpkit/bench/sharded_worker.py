@@ -146,8 +146,8 @@ def _batches(settings: MemorySettings, rank: int) -> Iterator[tuple[torch.Tensor
 
 def memory_worker(store: dist.Store, strategy: str, settings: MemorySettings) -> dict:
     """One rank of one run (module level, so the harness can start it)."""
-    from ddpkit.distributed.process_group import init_runtime
     from ddpkit.parallel.wrap import wrap_model
+    from ddpkit.runtime.process_group import init_runtime
     from ddpkit.training.step import TrainStep
 
     os.environ["OMP_NUM_THREADS"] = str(settings.num_threads)

@@ -298,8 +298,8 @@ def _ddpkit_form(
 ) -> dict:
     from ddpkit.app.mnist.config import TrainConfig
     from ddpkit.app.mnist.job import build_model_and_optimizer
-    from ddpkit.distributed.process_group import init_runtime
-    from ddpkit.distributed.sampler import build_train_loader
+    from ddpkit.data.sampler import build_train_loader
+    from ddpkit.runtime.process_group import init_runtime
     from ddpkit.training.precision import MixedPrecision
     from ddpkit.training.step import TrainStep
 

@@ -42,8 +42,8 @@ from ddpkit.checkpoint.sharded import (
     shard_writer,
     sharded_state,
 )
-from ddpkit.distributed.collectives import all_gather_object
-from ddpkit.distributed.process_group import Runtime
+from ddpkit.runtime.collectives import all_gather_object
+from ddpkit.runtime.process_group import Runtime
 
 
 @dataclass

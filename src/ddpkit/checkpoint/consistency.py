@@ -33,7 +33,7 @@ from typing import Any
 import torch
 
 from ddpkit.checkpoint.objects import is_zero_optimizer
-from ddpkit.distributed.sampler import ShardedLoader
+from ddpkit.data.sampler import ShardedLoader
 from ddpkit.guards.replicas import ReplicaDivergenceError, synced_buffers, tensor_digests
 from ddpkit.parallel.fsdp import is_fsdp, is_sharded_tensor
 from ddpkit.parallel.wrap import unwrap_model

@@ -67,7 +67,7 @@ def export_model(
         output: the ``.pt`` file to write (its folder must exist).
         entry: the name the model was checkpointed under (``state={"model": model, ...}``).
         unsafe_pickle: unpickle any object (runs whatever code the files hold); default: only
-            the allow-list of :mod:`ddpkit.checkpoint.safe_load`.
+            the allow-list of :mod:`ddpkit.security.safe_load`.
         state: ``load_checkpoint(folder)`` when the caller has it already (read once).
 
     Returns:

@@ -20,10 +20,10 @@ from typing import Any
 
 import torch
 
-from ddpkit.checkpoint.safe_load import load_state_bytes
 from ddpkit.diagnostics.disk import disk_full_explained, tensor_bytes
 from ddpkit.diagnostics.failures import stamp_failure_time
 from ddpkit.errors import DataError
+from ddpkit.security.safe_load import load_state_bytes
 
 MANIFEST = "manifest.json"
 STATE_FILE = "state.pt"
@@ -184,7 +184,7 @@ def read_manifest(folder: Path) -> dict:
 
 def load_checkpoint(folder: Path, *, unsafe_pickle: bool = False) -> dict[str, Any]:
     """Read ``folder/state.pt`` once, check it against the manifest, and unpickle it on CPU
-    with only safe types allowed (:mod:`ddpkit.checkpoint.safe_load`; ``unsafe_pickle``: any
+    with only safe types allowed (:mod:`ddpkit.security.safe_load`; ``unsafe_pickle``: any
     object, which runs whatever code the file holds).
 
     Every other file the manifest lists (the DCP shards of a sharded checkpoint) is checked

@@ -66,15 +66,15 @@ from ddpkit.checkpoint.objects import (
 from ddpkit.checkpoint.rng import restore_rng_state
 from ddpkit.checkpoint.sharded import check_layouts, load_sharded, save_sharded, sharded_entries
 from ddpkit.checkpoint.state import load_model_state, rng_state
+from ddpkit.data.loader import ShardedLoader
 from ddpkit.diagnostics.failures import note_checkpoint, record_failure
-from ddpkit.distributed.collectives import all_gather_object, all_reduce_sum, barrier
-from ddpkit.distributed.loader import ShardedLoader
-from ddpkit.distributed.process_group import Runtime
-from ddpkit.distributed.stop import TrainingStopped
 from ddpkit.errors import ConfigError, DataError, DistributedError
 from ddpkit.guards.replicas import buffer_fix
 from ddpkit.log import get_logger
 from ddpkit.parallel.wrap import unwrap_model
+from ddpkit.runtime.collectives import all_gather_object, all_reduce_sum, barrier
+from ddpkit.runtime.process_group import Runtime
+from ddpkit.runtime.stop import TrainingStopped
 
 log = get_logger("checkpoint")
 SET_ASIDE = "set-aside"  # checkpoints a resume moved out of the way: never deleted by ddpkit
@@ -188,7 +188,7 @@ class CheckpointManager:
         unsafe_pickle: resume by unpickling any object (a checkpoint holding objects of your
             own that you wrote and trust). UNSAFE: a checkpoint folder anyone else could write
             then runs their code. Default: only tensors, numbers, strings, containers and
-            numpy arrays load (:mod:`ddpkit.checkpoint.safe_load`); anything else is refused
+            numpy arrays load (:mod:`ddpkit.security.safe_load`); anything else is refused
             in one line naming the class (allow it with
             ``torch.serialization.add_safe_globals``).
 

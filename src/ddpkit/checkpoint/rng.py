@@ -21,7 +21,7 @@ import numpy as np
 import torch
 
 from ddpkit.checkpoint.state import set_rng_state
-from ddpkit.distributed.seeding import derive_seed
+from ddpkit.data.seeding import derive_seed
 
 
 def _same(a: Any, b: Any) -> bool:

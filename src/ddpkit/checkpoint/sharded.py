@@ -58,14 +58,14 @@ from ddpkit.checkpoint.io import (
     sha256_file,
     temporary_dir,
 )
-from ddpkit.checkpoint.safe_load import refusals_unwrapped
 from ddpkit.diagnostics.disk import disk_full_explained
-from ddpkit.distributed.collectives import all_gather_object
-from ddpkit.distributed.process_group import Runtime
 from ddpkit.errors import ConfigError, DistributedError
 from ddpkit.parallel.fsdp import is_fsdp, is_sharded_tensor
 from ddpkit.parallel.wrap import unwrap_model
 from ddpkit.parallel.zero import is_zero_optimizer
+from ddpkit.runtime.collectives import all_gather_object
+from ddpkit.runtime.process_group import Runtime
+from ddpkit.security.safe_load import refusals_unwrapped
 
 SHARDED_DIR = "dcp"  # the DCP files, inside the step folder
 LAYOUTS = ("fsdp_model", "fsdp_optimizer", "zero_optimizer")
@@ -450,10 +450,10 @@ def load_in_this_process(template: dict[str, Any], reader: Any, planner: Any = N
 def safe_reader(folder: Path, unsafe_pickle: bool = False) -> tuple[Any, Any]:
     """``(storage reader, load planner)`` for ``folder``'s DCP files: torch's own with
     ``unsafe_pickle``, else ones that unpickle only allowed types
-    (:mod:`ddpkit.checkpoint.safe_load`)."""
+    (:mod:`ddpkit.security.safe_load`)."""
     import torch.distributed.checkpoint as dcp
 
-    from ddpkit.checkpoint.safe_load import SafeFileSystemReader, SafeLoadPlanner
+    from ddpkit.security.safe_load import SafeFileSystemReader, SafeLoadPlanner
 
     if unsafe_pickle:
         return dcp.FileSystemReader(folder / SHARDED_DIR), None

@@ -5,10 +5,10 @@ from __future__ import annotations
 import argparse
 import shlex
 
-from ddpkit.distributed.signals import parse_stop_signals
 from ddpkit.errors import ConfigError
 from ddpkit.launch.elastic import RDZV_CONF_KEYS
 from ddpkit.launch.spec import LaunchSpec, validate_spec
+from ddpkit.runtime.signals import parse_stop_signals
 
 ELASTIC_MAX_RESTARTS = 3
 LIVE_MAX_RESTARTS = 3

@@ -25,11 +25,11 @@ from ddpkit.app.mnist.config import SECTIONS, TrainConfig, check
 from ddpkit.checkpoint.lock import check_unlocked
 from ddpkit.cli.flags import add_settings_arguments, given_settings
 from ddpkit.cli.run import LIVE_MAX_RESTARTS
-from ddpkit.distributed.env import ProcessInfo, detect_process_info
-from ddpkit.distributed.signals import parse_stop_signals
+from ddpkit.env import ProcessInfo, detect_process_info
 from ddpkit.errors import ConfigError, DataError
 from ddpkit.files import make_output_folder
 from ddpkit.monitoring.prometheus import check_endpoint
+from ddpkit.runtime.signals import parse_stop_signals
 from ddpkit.settings import field_problems, read_toml, to_toml
 
 if TYPE_CHECKING:
@@ -126,7 +126,7 @@ def _check_and_start(
     # torch from here on (and in default_nproc): a config error above answers without it
     from ddpkit.app.mnist.data import resolve_data
     from ddpkit.app.mnist.outputs import check_fresh_output, checkpoint_folder
-    from ddpkit.distributed.process_group import resolve_backend
+    from ddpkit.runtime.process_group import resolve_backend
 
     here = info if info.is_distributed else ProcessInfo(world_size=nproc, local_world_size=nproc)
     resolve_backend(config.backend, here)  # e.g. nccl without a GPU per rank: before launch
@@ -223,9 +223,9 @@ def _train_here(
 ) -> int:
     from ddpkit.app.mnist.job import train_mnist
     from ddpkit.app.mnist.resume import resume_note, stop_note
-    from ddpkit.distributed.process_group import init_runtime
-    from ddpkit.distributed.stop import TrainingStopped
     from ddpkit.log import configure_logging, get_logger
+    from ddpkit.runtime.process_group import init_runtime
+    from ddpkit.runtime.stop import TrainingStopped
 
     on = bool(config.stall_timeout)  # 0 = the watchdog off: no stall and no deadlock reports
     with init_runtime(

@@ -119,7 +119,7 @@ def make_record(exc: BaseException, environ: dict[str, str] | None = None) -> Fa
 
 
 def _collective(exc: BaseException) -> str:
-    from ddpkit.distributed.position import collective_in_traceback
+    from ddpkit.watchdog.position import collective_in_traceback
 
     seen: set[int] = set()
     while exc is not None and id(exc) not in seen:  # a translated error: look at its cause too

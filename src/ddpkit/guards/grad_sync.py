@@ -40,10 +40,10 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
-from ddpkit.distributed.process_group import Runtime
 from ddpkit.guards.replicas import ReplicaDivergenceError, differing_from_rank_zero
 from ddpkit.log import get_logger
 from ddpkit.parallel.local_sgd import is_local_sgd_model
+from ddpkit.runtime.process_group import Runtime
 
 _MAX_NAMES = 6
 _CHECKS: list[GradSyncCheck] = []  # attached checks (each holds its model weakly)

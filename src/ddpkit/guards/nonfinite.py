@@ -10,11 +10,11 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ddpkit.distributed.collectives import gather_per_rank
-from ddpkit.distributed.process_group import Runtime
 from ddpkit.errors import DistributedError
 from ddpkit.guards.replicas import ReplicaDivergenceError, check_replicas
 from ddpkit.parallel.fsdp import local_tensor
+from ddpkit.runtime.collectives import gather_per_rank
+from ddpkit.runtime.process_group import Runtime
 
 __all__ = ["NonFiniteError", "NonFiniteGuard", "ReplicaDivergenceError", "check_replicas"]
 

@@ -30,11 +30,11 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from ddpkit.distributed.process_group import Runtime
 from ddpkit.errors import DistributedError
 from ddpkit.log import get_logger
 from ddpkit.parallel.fsdp import is_fsdp
 from ddpkit.parallel.wrap import is_compiled
+from ddpkit.runtime.process_group import Runtime
 
 _BLOCK = 4096  # words per row of the position-weighted sums
 

@@ -43,10 +43,10 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.modules import module as torch_module
 
-from ddpkit.distributed.collectives import gather_per_rank
-from ddpkit.distributed.process_group import Runtime
 from ddpkit.errors import DistributedError
 from ddpkit.log import get_logger
+from ddpkit.runtime.collectives import gather_per_rank
+from ddpkit.runtime.process_group import Runtime
 
 REWRAP = (
     "Re-wrap after changing the model: model = ddpkit.wrap_model(ddpkit.unwrap_model(model), "

@@ -70,16 +70,16 @@ def environment_report() -> dict:
 
 
 def _loopback_rank(runtime) -> float:
-    from ddpkit.distributed.collectives import all_reduce_sum
+    from ddpkit.runtime.collectives import all_reduce_sum
 
     return all_reduce_sum([runtime.rank + 1.0], runtime).item()
 
 
 def check_loopback_allreduce() -> Check:
     """Two spawned gloo processes all-reduce over loopback (rendezvous through a FileStore)."""
-    from ddpkit.distributed.rendezvous import check_local_route
     from ddpkit.errors import DistributedError
     from ddpkit.launch.spawn import DistributedTestError, run_distributed
+    from ddpkit.runtime.rendezvous import check_local_route
 
     try:
         check_local_route("127.0.0.1")  # lo down: the fix, not gloo's "Unable to find interface"

@@ -8,7 +8,7 @@ What ddpkit adds over calling torchrun yourself:
   outside this machine can reach any of the job's ports;
 - ``OMP_NUM_THREADS`` set to the usable cores divided by the number of processes (when unset);
 - one ``PYTHONHASHSEED`` for every worker of the job, derived from ``--rdzv-id`` (when
-  unset; :mod:`ddpkit.distributed.hashseed`), so ``set()`` of strings has one order on every rank;
+  unset; :mod:`ddpkit.runtime.hashseed`), so ``set()`` of strings has one order on every rank;
 - every worker runs under :mod:`ddpkit.launch.worker`, which records the first failure and shuts
   the process group down so the job never aborts at exit;
 - a closing summary that names the rank that failed *first*, with its exception type and message.
@@ -37,10 +37,7 @@ from ddpkit.diagnostics.failures import (
     newest_checkpoint,
     read_records,
 )
-from ddpkit.distributed.env import ProcessInfo
-from ddpkit.distributed.hashseed import hash_seed_environment
-from ddpkit.distributed.rendezvous import check_local_route, check_world_size_limit
-from ddpkit.distributed.stop import GRACE_PERIOD_ENV, STOP_SIGNALS_ENV
+from ddpkit.env import ProcessInfo
 from ddpkit.launch.elastic import (
     ELASTIC_ENV,
     announce_restarts,
@@ -68,6 +65,9 @@ from ddpkit.launch.stopping import (
     stopped_by_workers,
 )
 from ddpkit.launch.summary import summarize_failure
+from ddpkit.runtime.hashseed import hash_seed_environment
+from ddpkit.runtime.rendezvous import check_local_route, check_world_size_limit
+from ddpkit.runtime.stop import GRACE_PERIOD_ENV, STOP_SIGNALS_ENV
 from ddpkit.security.bind import MASTER_PORT_ENV, MULTI_NODE_ENV, reserve_port
 from ddpkit.security.rendezvous_state import (
     BACKEND_NAME,

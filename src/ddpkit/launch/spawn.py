@@ -41,7 +41,7 @@ from pathlib import Path
 from typing import Any
 
 import ddpkit
-from ddpkit.distributed.hashseed import HASH_SEED_ENV, job_hash_seed
+from ddpkit.runtime.hashseed import HASH_SEED_ENV, job_hash_seed
 
 # What the forkserver imports once, so every rank forked from it starts warm. torch._dynamo is
 # most of DDP's first construction (2.9 of 2.95 s); the comm hooks, most of a hooked DDP's.
@@ -122,7 +122,7 @@ def _worker(
         import torch
         import torch.distributed as dist
 
-        from ddpkit.distributed.process_group import init_runtime
+        from ddpkit.runtime.process_group import init_runtime
 
         torch.set_num_threads(1)  # OMP_NUM_THREADS is read once, before a forked rank begins
 
@@ -186,7 +186,7 @@ def run_distributed(
             CUDA is initialised in this process.
         backend: the process group's backend with ``init``: ``gloo`` (default), ``nccl`` (one
             CUDA device per rank, ``cuda:<rank>``) or ``auto`` (see
-            :func:`ddpkit.distributed.process_group.resolve_backend`).
+            :func:`ddpkit.runtime.process_group.resolve_backend`).
 
     Returns:
         ``[result of rank 0, result of rank 1, ...]`` (results must be picklable).

@@ -10,10 +10,10 @@ import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from ddpkit.distributed.signals import DEFAULT_STOP_SIGNALS
 from ddpkit.errors import ConfigError
 from ddpkit.launch.elastic import node_problems
 from ddpkit.launch.resources import BARE_RANK_MIB
+from ddpkit.runtime.signals import DEFAULT_STOP_SIGNALS
 
 __all__ = ["LaunchSpec", "validate_spec"]
 
@@ -55,7 +55,7 @@ class LaunchSpec:
         grace_period_s: after passing a stop signal on to the workers, seconds to wait before
             SIGKILLing those still running (torchrun's ``--shutdown-timeout``).
         stop_signals: the signals that stop every rank at one step with a checkpoint
-            (:mod:`ddpkit.distributed.stop`); torchrun passes them on.
+            (:mod:`ddpkit.runtime.stop`); torchrun passes them on.
         mem_per_rank_mib, mem_per_rank_what: the measured peak memory of one rank and what it
             was measured on; ``nproc`` ranks that cannot fit in the available memory are
             refused before any starts (:func:`ddpkit.launch.resources.check_fits`).

@@ -3,7 +3,7 @@
 torchrun does the passing on: with ``--signals-to-handle`` it catches the stop signals too
 (SIGUSR1 is not in its default set), sends the same signal to every worker and SIGKILLs those
 still alive after ``--shutdown-timeout`` seconds: ddpkit's ``--grace-period`` (default 30 s,
-torchrun's own default). The workers (:mod:`ddpkit.distributed.stop`) agree on a step, save it
+torchrun's own default). The workers (:mod:`ddpkit.runtime.stop`) agree on a step, save it
 and exit 0, each leaving a stop record; this module reads the records and prints one line: the
 signal, the step, the checkpoint and the command that resumes. A second signal to the launcher
 interrupts torchrun's wait: torchrun then sends SIGTERM, which the workers take as "stop now".

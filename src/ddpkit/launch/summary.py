@@ -16,8 +16,8 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from ddpkit.diagnostics.failures import FailureRecord
-from ddpkit.distributed.peers import LOST_PEER, PEER_ENDED, TOLD_ENDED, mentions
-from ddpkit.distributed.position import short_path
+from ddpkit.diagnostics.peers import LOST_PEER, PEER_ENDED, TOLD_ENDED, mentions
+from ddpkit.watchdog.position import short_path
 
 if TYPE_CHECKING:
     from ddpkit.launch.launcher import LaunchSpec

@@ -29,7 +29,7 @@ import signal
 import sys
 
 # Before the user's script can create a process group: applies the import-order fix in there.
-import ddpkit.distributed.process_group  # noqa: F401
+import ddpkit.runtime.process_group  # noqa: F401
 from ddpkit.diagnostics.failures import (
     LAUNCHER_PID_ENV,
     RUN_DIR_ENV,
@@ -39,9 +39,9 @@ from ddpkit.diagnostics.failures import (
     write_record,
     write_stop_record,
 )
-from ddpkit.distributed.stop import TrainingStopped, default_stop_signals, stop_agreed_elsewhere
 from ddpkit.launch.elastic import ELASTIC_ENV
 from ddpkit.live.outcomes import LeftTheJob
+from ddpkit.runtime.stop import TrainingStopped, default_stop_signals, stop_agreed_elsewhere
 from ddpkit.security.bind import MASTER_PORT_ENV
 
 register_bootstrap_file(__file__)  # failure tracebacks start at the user's script
@@ -72,7 +72,7 @@ def shutdown_and_exit(code: int) -> None:
     after ``destroy_process_group`` keeps its C++ threads running into interpreter finalization,
     and tearing them down there aborts ("terminate called without an active exception", exit
     134) or hangs in a few percent of correct runs. ddpkit removes the reference torch itself
-    leaves behind (see :mod:`ddpkit.distributed.process_group`), but a user's script can hold
+    leaves behind (see :mod:`ddpkit.runtime.process_group`), but a user's script can hold
     others (a global DDP model, its own late imports). After the script and the ``atexit``
     handlers have run nothing is left worth finalizing, so the bootstrap skips finalization.
     """

@@ -3,7 +3,7 @@ process group (torch's own collectives), never read from a checkpoint.
 
 The state travels as ``torch.save`` bytes in a uint8 tensor and is read with
 ``torch.load(weights_only=True)`` (ddpkit's checkpoint allow-list,
-:func:`ddpkit.checkpoint.safe_load.load_state_bytes`), not with torch's
+:func:`ddpkit.security.safe_load.load_state_bytes`), not with torch's
 ``broadcast_object_list``, which unpickles anything: the quorum's gloo addresses come from a
 store any local process can write, so the bytes a replacement receives are not trusted to be a
 peer's.
@@ -20,9 +20,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ddpkit.checkpoint.safe_load import load_state_bytes
 from ddpkit.errors import ConfigError
 from ddpkit.live.protocol import Quorum
+from ddpkit.security.safe_load import load_state_bytes
 
 
 def _to_tensor(obj: Any) -> torch.Tensor:

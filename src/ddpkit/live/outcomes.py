@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from ddpkit.distributed.peers import LOST_PEER_ANY, TOLD_ENDED, TOLD_SILENT, mentions
+from ddpkit.diagnostics.peers import LOST_PEER_ANY, TOLD_ENDED, TOLD_SILENT, mentions
 from ddpkit.errors import DistributedError
 from ddpkit.live.protocol import Decision
 

@@ -8,7 +8,7 @@ import os
 import torch
 import torch.distributed as dist
 
-from ddpkit.distributed.env import ProcessInfo
+from ddpkit.env import ProcessInfo
 from ddpkit.errors import ConfigError, DistributedError
 from ddpkit.live.membership import LiveMembership
 from ddpkit.live.protocol import REPLICA_ENV, SLOT_ENV, STORE_ENV

@@ -40,10 +40,10 @@ from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
 from torch.nn.parallel import DistributedDataParallel
 
-from ddpkit.distributed.process_group import Runtime
 from ddpkit.errors import ConfigError
 from ddpkit.log import get_logger
 from ddpkit.parallel.choices import GRAD_COMPRESSIONS  # torch-free: the train flags read them
+from ddpkit.runtime.process_group import Runtime
 
 
 @dataclass(kw_only=True)

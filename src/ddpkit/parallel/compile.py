@@ -39,10 +39,10 @@ from typing import Any
 import torch
 from torch import nn
 
-from ddpkit.distributed.process_group import Runtime
 from ddpkit.errors import ConfigError
 from ddpkit.guards.grad_sync import attach_grad_sync_check
 from ddpkit.log import get_logger
+from ddpkit.runtime.process_group import Runtime
 
 DEFAULT_CHECK_STEPS = 3  # optimizer steps whose gradients are compared under compile
 _DDP = ("ddp", "zero1")  # strategies whose gradients DDP all-reduces

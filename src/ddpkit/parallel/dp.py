@@ -16,9 +16,9 @@ import torch
 from torch import nn
 from torch.nn.parallel import DataParallel
 
-from ddpkit.distributed.process_group import Runtime
 from ddpkit.errors import ConfigError
 from ddpkit.log import get_logger
+from ddpkit.runtime.process_group import Runtime
 
 DDP_ADVICE = (
     "PyTorch recommends DistributedDataParallel even on one machine: use strategy 'ddp' "

@@ -44,9 +44,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from ddpkit.distributed.process_group import Runtime
 from ddpkit.errors import ConfigError
 from ddpkit.guards.wrapped import verify_same_parameters
+from ddpkit.runtime.process_group import Runtime
 
 WrapPolicy = type | tuple[type, ...] | Callable[[nn.Module], bool] | None
 

@@ -34,11 +34,11 @@ from torch.distributed.algorithms.model_averaging import averagers
 from torch.distributed.algorithms.model_averaging import utils as averaging_utils
 from torch.nn.parallel import DistributedDataParallel
 
-from ddpkit.distributed.process_group import Runtime
 from ddpkit.errors import ConfigError
 from ddpkit.parallel.comm import CommStats
 from ddpkit.parallel.wrap import wrapped_strategy
 from ddpkit.parallel.zero import is_zero_optimizer
+from ddpkit.runtime.process_group import Runtime
 
 if TYPE_CHECKING:
     from torch.distributed.optim import PostLocalSGDOptimizer

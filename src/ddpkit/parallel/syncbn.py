@@ -21,9 +21,9 @@ import torch.distributed as dist
 from torch import nn
 from torch.autograd.function import once_differentiable
 
-from ddpkit.distributed.process_group import Runtime
 from ddpkit.errors import ConfigError
 from ddpkit.log import get_logger
+from ddpkit.runtime.process_group import Runtime
 
 
 def _stats_dims(x: torch.Tensor) -> list[int]:

@@ -31,7 +31,6 @@ import torch
 from torch import nn
 from torch.nn.parallel import DataParallel, DistributedDataParallel
 
-from ddpkit.distributed.process_group import Runtime
 from ddpkit.errors import ConfigError, DistributedError
 from ddpkit.guards.wrapped import WrapGuard, verify_same_parameters
 from ddpkit.log import get_logger
@@ -42,6 +41,7 @@ from ddpkit.parallel.comm import (
     powersgd_bucket_cap_mb,
     register_grad_hook,
 )
+from ddpkit.runtime.process_group import Runtime
 
 _WRAPPERS = (DistributedDataParallel, DataParallel)
 _FSDP_DEFAULTS = {"wrap_policy": None, "reshard_after_forward": True, "precision": "32"}
@@ -287,8 +287,8 @@ def _wrap_live(
     ddp_kwargs: dict[str, Any],
 ) -> nn.Module:
     """Live fault tolerance: the plain module, synced by ``TrainStep`` (see
-    :mod:`ddpkit.live.training`); only ``auto``/``ddp`` without DDP options."""
-    from ddpkit.live.training import prepare_live_model
+    :mod:`ddpkit.parallel.live`); only ``auto``/``ddp`` without DDP options."""
+    from ddpkit.parallel.live import prepare_live_model
 
     given = [name for name, _ in _ddp_options_given(grad_compression, sync_batchnorm, ddp_kwargs)]
     given += ["compile"] if compile else []

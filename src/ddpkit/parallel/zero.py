@@ -19,8 +19,8 @@ from typing import Any
 
 import torch
 
-from ddpkit.distributed.process_group import Runtime
 from ddpkit.log import get_logger
+from ddpkit.runtime.process_group import Runtime
 
 
 def is_zero_optimizer(optimizer: Any) -> bool:

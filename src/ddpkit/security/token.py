@@ -4,7 +4,7 @@ The token comes from ``DDPKIT_JOB_TOKEN`` (the secret itself) or ``DDPKIT_JOB_TO
 holding it; surrounding whitespace is ignored). ddpkit never prints or logs it, and never writes
 it to the store: the store sees only HMAC-SHA256 values (RFC 2104) keyed with it.
 
-At rendezvous (:func:`ddpkit.distributed.rendezvous.join`) the first process to arrive records
+At rendezvous (:func:`ddpkit.runtime.rendezvous.join`) the first process to arrive records
 the job: its world size, a random 32-byte challenge, and ``verifier = HMAC(token, challenge ||
 "verify")``. Each later process checks its own token against the verifier and refuses to join on
 a mismatch (a misconfigured or foreign process stops itself with a clear error). Each admitted

@@ -13,8 +13,8 @@ import sys
 import torch
 
 from ddpkit.checkpoint.manager import CheckpointManager
-from ddpkit.distributed.env import ProcessInfo
-from ddpkit.distributed.process_group import Runtime
+from ddpkit.env import ProcessInfo
+from ddpkit.runtime.process_group import Runtime
 
 
 def main(argv: list[str]) -> None:

@@ -41,11 +41,11 @@ from typing import Any
 import torch
 from torch import nn
 
-from ddpkit.distributed.collectives import all_reduce_sum
-from ddpkit.distributed.process_group import Runtime
-from ddpkit.distributed.sampler import ShardedLoader
+from ddpkit.data.sampler import ShardedLoader
 from ddpkit.errors import ConfigError, DistributedError
 from ddpkit.parallel.fsdp import gradient_sync_off
+from ddpkit.runtime.collectives import all_reduce_sum
+from ddpkit.runtime.process_group import Runtime
 from ddpkit.training.dynamic import UnusedParameterDiagnosis
 from ddpkit.training.observe import StepTimer
 from ddpkit.training.precision import MixedPrecision

@@ -32,9 +32,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from ddpkit.distributed.process_group import Runtime
 from ddpkit.errors import DistributedError
 from ddpkit.parallel.wrap import unwrap_model
+from ddpkit.runtime.process_group import Runtime
 
 UNFINISHED_REDUCTION = "Expected to have finished reduction in the prior iteration"
 _INDICES = re.compile(r"did not receive grad for rank \d+: ([\d ]+)")

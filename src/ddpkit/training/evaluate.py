@@ -10,10 +10,10 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from ddpkit.distributed.collectives import all_reduce_sum, broadcast_from_rank_zero
-from ddpkit.distributed.process_group import Runtime
 from ddpkit.parallel.fsdp import gathered_for_eval
 from ddpkit.parallel.wrap import unwrap_model
+from ddpkit.runtime.collectives import all_reduce_sum, broadcast_from_rank_zero
+from ddpkit.runtime.process_group import Runtime
 
 
 @torch.no_grad()

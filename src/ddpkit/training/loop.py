@@ -23,11 +23,11 @@ import itertools
 from collections.abc import Iterable, Iterator, Sized
 from typing import Any
 
-from ddpkit.distributed.collectives import all_reduce_sum
-from ddpkit.distributed.process_group import Runtime
-from ddpkit.distributed.sampler import ShardedLoader
+from ddpkit.data.sampler import ShardedLoader
 from ddpkit.errors import ConfigError
 from ddpkit.live.outcomes import StepDiscarded
+from ddpkit.runtime.collectives import all_reduce_sum
+from ddpkit.runtime.process_group import Runtime
 from ddpkit.training.step import StepResult, TrainStep
 from ddpkit.training.uneven import join_uneven_inputs, verify_even_batches
 

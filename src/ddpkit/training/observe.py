@@ -55,8 +55,8 @@ from typing import Any
 
 import torch
 
-from ddpkit.distributed.collectives import gather_per_rank
-from ddpkit.distributed.process_group import Runtime
+from ddpkit.runtime.collectives import gather_per_rank
+from ddpkit.runtime.process_group import Runtime
 
 PHASES = ("data_wait", "forward", "backward_comm", "optimizer")
 COMM_WAIT = "comm_wait"  # the part of backward_comm spent waiting on other ranks (not a phase)
@@ -233,7 +233,7 @@ class StepTimer:
         """The epoch's phase times (mean over ranks) and peak memory (max over ranks); resets.
 
         Collective: call on every rank (one all-reduce of ``world_size * 6`` floats through
-        :func:`~ddpkit.distributed.collectives.gather_per_rank`). At world size 1 no
+        :func:`~ddpkit.runtime.collectives.gather_per_rank`). At world size 1 no
         communication.
 
         Returns:

@@ -32,10 +32,10 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from ddpkit.distributed.collectives import gather_per_rank
-from ddpkit.distributed.process_group import Runtime
 from ddpkit.errors import ConfigError, DistributedError
 from ddpkit.parallel.fsdp import full_value
+from ddpkit.runtime.collectives import gather_per_rank
+from ddpkit.runtime.process_group import Runtime
 from ddpkit.training.choices import PRECISIONS  # torch-free: the train flags read them
 
 

@@ -27,14 +27,14 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from ddpkit.distributed.process_group import Runtime
 from ddpkit.errors import ConfigError
 from ddpkit.guards.nonfinite import NonFiniteGuard
 from ddpkit.live.outcomes import StepDiscarded
-from ddpkit.live.training import all_reduce_gradients, stepping
 from ddpkit.parallel.fsdp import is_sharded_tensor
+from ddpkit.parallel.live import all_reduce_gradients, stepping
 from ddpkit.parallel.wrap import wrapped_strategy
 from ddpkit.parallel.zero import is_zero_optimizer
+from ddpkit.runtime.process_group import Runtime
 from ddpkit.training.accumulation import (
     AccumulationWindow,
     GradientAccumulator,
@@ -318,7 +318,7 @@ class TrainStep:
     def _live_call(self, window: AccumulationWindow) -> StepResult:
         """:meth:`__call__` in a live fault-tolerant job: local backward, then the gradient
         all-reduce and the guard's check as one guarded operation; the optimizer steps only
-        on a commit (see :mod:`ddpkit.live.training`)."""
+        on a commit (see :mod:`ddpkit.parallel.live`)."""
         live, timer = self.runtime.live, self.timer
         assert live is not None
         if live.quorum is None:

@@ -14,7 +14,7 @@ fast ranks. What tells the ranks apart is the work each does on its own, from th
 
 Every ``window`` optimizer steps each rank takes the median of each over the window's steps
 (and of its step time), and the ranks exchange them in one all-reduce of ``world_size x 8``
-float64 values (:func:`~ddpkit.distributed.collectives.gather_per_rank`). Every rank applies
+float64 values (:func:`~ddpkit.runtime.collectives.gather_per_rank`). Every rank applies
 the same rule to the same table, so every rank reaches the same verdict:
 
     rank r is **slow** in ``data`` or ``compute`` in a window when its median is at least
@@ -49,9 +49,9 @@ from typing import Any
 
 import torch
 
-from ddpkit.distributed.collectives import all_gather_object, gather_per_rank
-from ddpkit.distributed.process_group import Runtime
 from ddpkit.log import get_logger
+from ddpkit.runtime.collectives import all_gather_object, gather_per_rank
+from ddpkit.runtime.process_group import Runtime
 from ddpkit.training.observe import COMM_WAIT, PHASES, WeakHook
 
 JUDGED = ("data", "compute")  # the phases a rank can be named for

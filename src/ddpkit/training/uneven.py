@@ -27,10 +27,10 @@ from torch import nn
 from torch.distributed.algorithms import Join
 from torch.nn.parallel import DistributedDataParallel
 
-from ddpkit.distributed.collectives import gather_per_rank
-from ddpkit.distributed.process_group import Runtime
 from ddpkit.errors import ConfigError, DistributedError
 from ddpkit.parallel.local_sgd import is_local_sgd_model
+from ddpkit.runtime.collectives import gather_per_rank
+from ddpkit.runtime.process_group import Runtime
 from ddpkit.training.stragglers import paused
 
 

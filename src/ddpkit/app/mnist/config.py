@@ -18,12 +18,12 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ddpkit.app.mnist.choices import DATASETS, OPTIMIZERS, PROGRESS_MODES, TENSORBOARD_MODES
-from ddpkit.distributed.choices import BACKENDS
-from ddpkit.distributed.signals import parse_stop_signals
 from ddpkit.errors import ConfigError
 from ddpkit.files import unwritable_ancestor
 from ddpkit.monitoring.trackers import check_tracker_names
 from ddpkit.parallel.choices import GRAD_COMPRESSIONS, STRATEGIES
+from ddpkit.runtime.choices import BACKENDS
+from ddpkit.runtime.signals import parse_stop_signals
 from ddpkit.settings import at_least, field_problems, finite, option, resume_keys
 from ddpkit.training.choices import PRECISIONS
 

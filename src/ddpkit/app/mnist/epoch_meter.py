@@ -23,8 +23,8 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from ddpkit.distributed.collectives import all_reduce_sum
-from ddpkit.distributed.process_group import Runtime
+from ddpkit.runtime.collectives import all_reduce_sum
+from ddpkit.runtime.process_group import Runtime
 from ddpkit.training.loop import EpochLoss
 from ddpkit.training.step import StepResult
 

@@ -17,10 +17,10 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-from ddpkit.distributed.process_group import Runtime
 from ddpkit.log import get_logger
 from ddpkit.monitoring.prometheus import MetricsServer
 from ddpkit.monitoring.trackers import Trackers, open_trackers
+from ddpkit.runtime.process_group import Runtime
 from ddpkit.training.step import StepResult
 from ddpkit.training.stragglers import RankWindow, StragglerDetector
 

@@ -31,7 +31,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from ddpkit.distributed.process_group import Runtime
+from ddpkit.runtime.process_group import Runtime
 
 FOLDER = "attempts"
 RECORD_BYTES = 512

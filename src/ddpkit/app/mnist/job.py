@@ -35,9 +35,7 @@ from ddpkit.app.mnist.resume import BatchPlan, checkpoint_settings, plan_batch
 from ddpkit.app.mnist.schedule import LRStepper
 from ddpkit.app.mnist.stopping import check_grace_period, slow_evaluation
 from ddpkit.checkpoint.manager import CheckpointManager
-from ddpkit.distributed.process_group import Runtime
-from ddpkit.distributed.sampler import ShardedLoader, build_eval_loader, build_train_loader
-from ddpkit.distributed.stop import TrainingStopped
+from ddpkit.data.sampler import ShardedLoader, build_eval_loader, build_train_loader
 from ddpkit.errors import ConfigError
 from ddpkit.files import write_json_atomic
 from ddpkit.guards.nonfinite import NonFiniteError, NonFiniteGuard, check_replicas
@@ -46,6 +44,8 @@ from ddpkit.parallel.comm import CommStats
 from ddpkit.parallel.local_sgd import enable_local_sgd
 from ddpkit.parallel.wrap import model_state_dict, wrap_model
 from ddpkit.parallel.zero import build_zero_optimizer
+from ddpkit.runtime.process_group import Runtime
+from ddpkit.runtime.stop import TrainingStopped
 from ddpkit.training.evaluate import evaluate
 from ddpkit.training.loop import train_epoch
 from ddpkit.training.observe import StepTimer

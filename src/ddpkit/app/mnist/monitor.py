@@ -18,10 +18,10 @@ import torch
 from ddpkit.app.mnist.choices import PROGRESS_MODES, TENSORBOARD_MODES  # noqa: F401 (re-exported)
 from ddpkit.app.mnist.exporting import Exporters
 from ddpkit.app.mnist.outputs import append_record
-from ddpkit.distributed.collectives import all_reduce_sum
-from ddpkit.distributed.process_group import Runtime
-from ddpkit.distributed.sampler import ShardedLoader
+from ddpkit.data.sampler import ShardedLoader
 from ddpkit.log import get_logger
+from ddpkit.runtime.collectives import all_reduce_sum
+from ddpkit.runtime.process_group import Runtime
 from ddpkit.training.observe import StepTimer
 from ddpkit.training.step import StepResult
 from ddpkit.training.stragglers import RankWindow, StragglerDetector

@@ -17,10 +17,10 @@ from pathlib import Path
 
 from ddpkit.checkpoint.lock import LOCK_NAME
 from ddpkit.checkpoint.manager import SET_ASIDE
-from ddpkit.distributed.collectives import barrier
-from ddpkit.distributed.process_group import Runtime
 from ddpkit.errors import ConfigError
 from ddpkit.files import write_text_atomic
+from ddpkit.runtime.collectives import barrier
+from ddpkit.runtime.process_group import Runtime
 
 
 def finite_or_none(value: float) -> float | None:

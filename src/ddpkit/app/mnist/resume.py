@@ -14,10 +14,10 @@ from ddpkit.app.mnist.outputs import checkpoint_folder
 from ddpkit.checkpoint.io import read_manifest
 from ddpkit.checkpoint.manager import newest_manifest
 from ddpkit.checkpoint.sharded import layout_refusal
-from ddpkit.distributed.resize import fit_global_batch
-from ddpkit.distributed.stop import TrainingStopped
+from ddpkit.data.resize import fit_global_batch
 from ddpkit.errors import ConfigError
 from ddpkit.launch.stopping import kept_checkpoint, stop_label
+from ddpkit.runtime.stop import TrainingStopped
 
 
 def without_resume(argv: list[str]) -> list[str]:

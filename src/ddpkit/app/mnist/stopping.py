@@ -2,7 +2,7 @@
 
 After a stop signal the launcher waits ``--grace-period`` seconds before it SIGKILLs the ranks.
 In that time the ranks reach the next stop check (at most ``MAX_CHECK_GAP_S`` of training, see
-:mod:`ddpkit.distributed.stop`), finish the step and write one checkpoint. Rank 0 times one
+:mod:`ddpkit.runtime.stop`), finish the step and write one checkpoint. Rank 0 times one
 throwaway write of the job's state at start-up and says, in one line, when the two cannot fit.
 """
 
@@ -18,9 +18,9 @@ from ddpkit.checkpoint.io import probe_write_s
 from ddpkit.checkpoint.manager import CheckpointManager
 from ddpkit.checkpoint.objects import is_zero_optimizer
 from ddpkit.checkpoint.sharded import sharded_entries
-from ddpkit.distributed.process_group import Runtime
-from ddpkit.distributed.stop import MAX_CHECK_GAP_S, grace_period_s
 from ddpkit.parallel.wrap import model_state_dict
+from ddpkit.runtime.process_group import Runtime
+from ddpkit.runtime.stop import MAX_CHECK_GAP_S, grace_period_s
 
 SLOW_EVAL_ENV = "DDPKIT_TEST_SLOW_EVAL_S"  # a testing hook: each evaluation waits this long
 

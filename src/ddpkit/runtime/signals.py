@@ -1,5 +1,5 @@
 """The stop signals' names and settings, without torch (the launcher's flags and help read
-them before anything imports torch); :mod:`ddpkit.distributed.stop` acts on them."""
+them before anything imports torch); :mod:`ddpkit.runtime.stop` acts on them."""
 
 from __future__ import annotations
 

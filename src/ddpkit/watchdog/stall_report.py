@@ -1,4 +1,4 @@
-"""The watchdog's verdicts and reports, from every rank's :class:`~ddpkit.distributed.position.
+"""The watchdog's verdicts and reports, from every rank's :class:`~ddpkit.watchdog.position.
 Position`: pure functions, no store, no thread.
 
 - :func:`find_deadlock`: every rank is blocked in a collective (or in DDP's backward), and no
@@ -14,7 +14,7 @@ from __future__ import annotations
 from collections import defaultdict
 from dataclasses import dataclass, field
 
-from ddpkit.distributed.position import BACKWARD, COLLECTIVE, RUNNING, Position
+from ddpkit.watchdog.position import BACKWARD, COLLECTIVE, RUNNING, Position
 
 DEADLOCK_ADVICE = (
     "Every rank must call the same collectives in the same order, on the same group: a "

@@ -19,8 +19,8 @@ from typing import Any, TypeVar
 import torch
 import torch.distributed as dist
 
-from ddpkit.distributed.process_group import Runtime
 from ddpkit.errors import DistributedError
+from ddpkit.runtime.process_group import Runtime
 
 _F = TypeVar("_F", bound=Callable[..., Any])
 

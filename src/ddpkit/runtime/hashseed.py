@@ -14,7 +14,7 @@ class 3 while rank 0 calls it 7 (issue 23: 10 of 10 ids differed, test accuracy 
   checkpointed one did), with no communication. A ``PYTHONHASHSEED`` already set is passed
   through unchanged.
 - :func:`ddpkit.init_runtime` compares :func:`str_hash_probe` across ranks inside its rendezvous
-  (:func:`ddpkit.distributed.rendezvous.join`, no extra collective), keeps the verdict in
+  (:func:`ddpkit.runtime.rendezvous.join`, no extra collective), keeps the verdict in
   ``Runtime.str_hashes_agree`` and warns once, on rank 0, when the hashes differ (plain
   torchrun, srun, ``python -m torch.distributed.run`` without the variable).
 
@@ -28,7 +28,7 @@ import hashlib
 import os
 from collections.abc import Mapping
 
-from ddpkit.distributed.env import ProcessInfo
+from ddpkit.env import ProcessInfo
 from ddpkit.log import get_logger
 
 HASH_SEED_ENV = "PYTHONHASHSEED"

@@ -1,9 +1,9 @@
 """The training loader: one pass per ``iter()``, epoch advanced, resumable, seeded per rank.
 
-Built by :func:`ddpkit.build_train_loader`; see :mod:`ddpkit.distributed.seeding` for how the
+Built by :func:`ddpkit.build_train_loader`; see :mod:`ddpkit.data.seeding` for how the
 shuffle stays shared while augmentation randomness differs per rank and worker. Its position in
 an epoch is global (samples done over all ranks), so a checkpoint resumes on any number of ranks
-(:class:`~ddpkit.distributed.shards.ResumableDistributedSampler` deals out the rest).
+(:class:`~ddpkit.data.shards.ResumableDistributedSampler` deals out the rest).
 """
 
 from __future__ import annotations
@@ -15,12 +15,12 @@ from typing import Any
 
 from torch.utils.data import DataLoader, DistributedSampler
 
-from ddpkit.distributed.seeding import (
+from ddpkit.data.seeding import (
     main_process_batch_seed,
     main_process_data_rng,
     worker_base_seed,
 )
-from ddpkit.distributed.streams import ShardedStream, stream_batches_per_rank, stream_length
+from ddpkit.data.streams import ShardedStream, stream_batches_per_rank, stream_length
 from ddpkit.errors import ConfigError
 from ddpkit.log import get_logger
 
@@ -88,13 +88,13 @@ class ShardedLoader:
 
     Randomness: the order comes from ``seed + epoch`` (the same on every rank); augmentation
     draws come from ``(seed, rank, epoch)`` for worker processes and ``(seed, rank, epoch,
-    batch)`` for main-process loading (see :mod:`ddpkit.distributed.seeding`), so they differ
+    batch)`` for main-process loading (see :mod:`ddpkit.data.seeding`), so they differ
     across ranks and workers and repeat on a rerun or resume.
 
     Attributes:
         loader: the wrapped ``torch.utils.data.DataLoader``.
         sampler: its ``DistributedSampler`` (``None`` for a stream).
-        stream: the :class:`~ddpkit.distributed.streams.ShardedStream` (``None`` for a
+        stream: the :class:`~ddpkit.data.streams.ShardedStream` (``None`` for a
             map-style dataset).
         epoch: the epoch the next pass will use.
         max_batches: a pass ends after this many batches (``None``: the whole shard).
@@ -247,7 +247,7 @@ class ShardedLoader:
 
         A map-style dataset: ``{"epoch", "samples_done", "epoch_samples"}``, a global cursor:
         the samples of the epoch (over all ranks) done so far and where the epoch's positions
-        end (see :class:`~ddpkit.distributed.shards.ResumableDistributedSampler`), plus
+        end (see :class:`~ddpkit.data.shards.ResumableDistributedSampler`), plus
         ``world_size``, ``batch_size`` and ``dataset_len`` for the record and the checks. The
         cursor means the same on any number of ranks. A stream: ``{"epoch", "batches_done"}``
         per rank, with ``world_size`` and ``num_workers``. A pass whose last batch was handed

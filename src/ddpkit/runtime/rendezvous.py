@@ -28,10 +28,10 @@ import uuid
 
 import torch.distributed as dist
 
-from ddpkit.distributed.env import ProcessInfo
-from ddpkit.distributed.hashseed import str_hash_probe
+from ddpkit.env import ProcessInfo
 from ddpkit.errors import ConfigError, DistributedError
 from ddpkit.log import get_logger
+from ddpkit.runtime.hashseed import str_hash_probe
 from ddpkit.security.bind import check_store_address, listening_socket
 from ddpkit.security.token import TOKEN_ENV, TOKEN_FILE_ENV, mac, same
 
@@ -288,7 +288,7 @@ def join(
     With a job ``token`` (:mod:`ddpkit.security.token`) a process must prove it holds the job's
     token to be admitted, and every rank verifies every other rank's proof.
 
-    Every rank also compares its :func:`~ddpkit.distributed.hashseed.str_hash_probe` with the
+    Every rank also compares its :func:`~ddpkit.runtime.hashseed.str_hash_probe` with the
     one in the job record (the first process's) and counts itself in a second counter when they
     differ, *before* it counts itself in: once all have joined, that counter is final. Cost: one
     store read per rank.
@@ -296,7 +296,7 @@ def join(
     Collective: call on every rank, before ``init_process_group`` with the same store.
 
     Returns:
-        Whether ``hash(str)`` agrees on every rank (see :mod:`ddpkit.distributed.hashseed`).
+        Whether ``hash(str)`` agrees on every rank (see :mod:`ddpkit.runtime.hashseed`).
 
     Raises:
         DistributedError: another process already claimed this rank (raised on both); fewer

@@ -38,26 +38,26 @@ from ddpkit.diagnostics.failures import (
     stamp_failure_time,
     write_stop_record,
 )
-from ddpkit.distributed.choices import BACKENDS  # torch-free: the train flags read them
-from ddpkit.distributed.env import ProcessInfo, detect_process_info, slurm_rendezvous_defaults
-from ddpkit.distributed.hashseed import warn_if_str_hashes_differ
-from ddpkit.distributed.peers import PEER_ENDED, TOLD_ENDED, TOLD_SILENT, mentions
-from ddpkit.distributed.rendezvous import (
-    check_local_route,
-    check_world_size_limit,
-    connect_store,
-    join,
-    make_store,
-)
-from ddpkit.distributed.stop import StopRequest, TrainingStopped, default_stop_signals
-from ddpkit.distributed.watchdog import Watchdog
+from ddpkit.diagnostics.peers import PEER_ENDED, TOLD_ENDED, TOLD_SILENT, mentions
+from ddpkit.env import ProcessInfo, detect_process_info, slurm_rendezvous_defaults
 from ddpkit.errors import ConfigError, DistributedError
 from ddpkit.live.membership import LiveMembership
 from ddpkit.live.outcomes import LeftTheJob
 from ddpkit.live.protocol import Quorum
 from ddpkit.live.start import join_live, wants_live
 from ddpkit.log import follow_rank_change
+from ddpkit.runtime.choices import BACKENDS  # torch-free: the train flags read them
+from ddpkit.runtime.hashseed import warn_if_str_hashes_differ
+from ddpkit.runtime.rendezvous import (
+    check_local_route,
+    check_world_size_limit,
+    connect_store,
+    join,
+    make_store,
+)
+from ddpkit.runtime.stop import StopRequest, TrainingStopped, default_stop_signals
 from ddpkit.security.token import load_token
+from ddpkit.watchdog.monitor import Watchdog
 
 MIN_STALL_TIMEOUT_S = 2.0  # two heartbeats of the watchdog (1 s apart)
 
@@ -103,14 +103,14 @@ class Runtime:
         process_group: the training group (train timeout); ``None`` at world size 1.
         train_timeout_s: limit for one collective, in seconds.
         debug_collectives: compare shapes and dtypes across ranks before each ddpkit collective
-            (see :mod:`ddpkit.distributed.collectives`; also ``DDPKIT_DEBUG_COLLECTIVES=1``).
-        watchdog: the deadlock and stall detector (:mod:`ddpkit.distributed.watchdog`), or
+            (see :mod:`ddpkit.runtime.collectives`; also ``DDPKIT_DEBUG_COLLECTIVES=1``).
+        watchdog: the deadlock and stall detector (:mod:`ddpkit.watchdog.monitor`), or
             ``None`` (off, or a single process).
         stop: the stop signals' handlers and the ranks' agreement
-            (:class:`~ddpkit.distributed.stop.StopRequest`), or ``None`` (off).
+            (:class:`~ddpkit.runtime.stop.StopRequest`), or ``None`` (off).
         str_hashes_agree: whether ``hash(str)`` is the same on every rank (one
             ``PYTHONHASHSEED``), compared at the rendezvous; when ``False``, anything ordered by
-            ``set()`` or string hashes differs per rank (:mod:`ddpkit.distributed.hashseed`).
+            ``set()`` or string hashes differs per rank (:mod:`ddpkit.runtime.hashseed`).
             ``True`` at world size 1.
         live: this worker's membership of a live fault-tolerant job
             (:class:`~ddpkit.live.membership.LiveMembership`), or ``None``. Its quorum changes
@@ -161,7 +161,7 @@ class Runtime:
         same call, ``True`` from the call that first sees a rank's signal on. The ranks compare
         their requests in one small all-reduce every K calls, K set so that the checks cost
         at most 1 % of the time between calls and come at most 1 s apart (see
-        :mod:`ddpkit.distributed.stop`). The first call also makes signals wait for this
+        :mod:`ddpkit.runtime.stop`). The first call also makes signals wait for this
         agreement (before it they have their usual effect). :meth:`CheckpointManager.maybe_save
         <ddpkit.CheckpointManager.maybe_save>` calls it, saves and raises
         :class:`~ddpkit.TrainingStopped`. With a model of :func:`~ddpkit.wrap_model` in a loop
@@ -248,7 +248,7 @@ class Runtime:
             else "turn the watchdog on (init_runtime's defaults) to learn which rank went silent"
         )
         if mentions(detail, PEER_ENDED):
-            from ddpkit.distributed.position import collective_in_traceback
+            from ddpkit.watchdog.position import collective_in_traceback
 
             mine = collective_in_traceback(exc) or op
             return DistributedError(
@@ -403,7 +403,7 @@ def init_runtime(
     At world size 1 no process group is created and every ddpkit collective is a local no-op, so
     the same script runs as a plain ``python train.py``.
 
-    The rendezvous also compares ``hash(str)`` across ranks (:mod:`ddpkit.distributed.hashseed`):
+    The rendezvous also compares ``hash(str)`` across ranks (:mod:`ddpkit.runtime.hashseed`):
     when ``PYTHONHASHSEED`` is unset or differs (plain torchrun, srun), rank 0 logs one warning
     and :attr:`Runtime.str_hashes_agree` is ``False`` on every rank.
 
@@ -416,7 +416,7 @@ def init_runtime(
         info: the process coordinates; read from the environment when omitted.
         store: a rendezvous store to use instead of ``MASTER_ADDR``/``MASTER_PORT`` (e.g. a
             ``torch.distributed.FileStore`` shared by the ranks, as ddpkit's test harness does).
-        stall_timeout_s: the watchdog (:mod:`ddpkit.distributed.watchdog`, on by default)
+        stall_timeout_s: the watchdog (:mod:`ddpkit.watchdog.monitor`, on by default)
             ends the job with a report when a rank has waited in a collective this many seconds
             while another rank runs other code: it names the busy rank and shows its stack.
             ``0`` or ``None``: no stall reports.
@@ -443,12 +443,12 @@ def init_runtime(
     Raises:
         ConfigError: bad backend or timeouts; ``MASTER_ADDR``/``MASTER_PORT`` unset where
             Slurm does not determine them (see ``slurm_rendezvous_defaults`` in
-            :mod:`ddpkit.distributed.env`);
+            :mod:`ddpkit.env`);
             ``MASTER_PORT`` already in use on rank 0; a non-loopback ``MASTER_ADDR`` for a
             single-node job; a world size above ``DDPKIT_MAX_WORLD_SIZE``; a bad job token
             setting (:func:`ddpkit.security.token.load_token`).
         DistributedError: a process group already exists (call this once per process); the
-            loopback interface is down (:func:`~ddpkit.distributed.rendezvous.check_local_route`);
+            loopback interface is down (:func:`~ddpkit.runtime.rendezvous.check_local_route`);
             the store at ``MASTER_ADDR:MASTER_PORT`` is unreachable; two processes claim one rank;
             not every rank joined within ``init_timeout_s`` (the message lists the missing ones);
             this process's world size or job token does not match the job's.

@@ -2,14 +2,14 @@
 
 Each rank runs one background thread, on by default (:func:`ddpkit.init_runtime`). Every
 ``interval_s`` it samples the training thread's Python stack and classifies it
-(:func:`ddpkit.distributed.position.locate`): blocked in a torch.distributed collective (which
+(:func:`ddpkit.watchdog.position.locate`): blocked in a torch.distributed collective (which
 operation, group, sequence number, tensor, and the user's ``file:line``), in ``backward()``
 waiting for DDP's gradient all-reduce, or running other code. No markers are needed: torch's own
 collectives on any group, DDP's and ddpkit's are all seen. The position goes into the rank's
 heartbeat in the rendezvous store. Then, while this rank is blocked:
 
 - **deadlock**: every rank is blocked and no collective has all of its group's ranks in it
-  (:func:`ddpkit.distributed.stall_report.find_deadlock`) -- the ranks called different
+  (:func:`ddpkit.watchdog.stall_report.find_deadlock`) -- the ranks called different
   operations, groups or numbers of collectives, so none can ever finish. Once every rank has
   stayed put for ``deadlock_timeout_s`` (default 5 s) this is reported and the job ends;
 - **stall**: this rank has waited in one place longer than ``stall_timeout_s`` (default 300 s)
@@ -42,16 +42,16 @@ from typing import Any
 
 import torch.distributed as dist
 
-from ddpkit.distributed.env import ProcessInfo
-from ddpkit.distributed.position import Position, locate, sequence_number
-from ddpkit.distributed.stall_report import (
+from ddpkit.env import ProcessInfo
+from ddpkit.errors import ConfigError, DistributedError
+from ddpkit.log import get_logger
+from ddpkit.watchdog.position import Position, locate, sequence_number
+from ddpkit.watchdog.stall_report import (
     StallReport,
     deadlock_report,
     find_deadlock,
     stall_report,
 )
-from ddpkit.errors import ConfigError, DistributedError
-from ddpkit.log import get_logger
 
 __all__ = ["DeadlockError", "StallError", "StallReport", "Watchdog", "main_thread_stack"]
 

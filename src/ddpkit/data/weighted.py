@@ -7,7 +7,7 @@ each (400 per epoch where 200 were meant), and when the ranks seed alike, the sa
 ``WeightedRandomSampler`` draws) and splits its positions across the ranks as
 ``DistributedSampler`` splits a permutation, so the epoch has ``num_samples`` samples in all.
 Its position resumes and re-shards like the rest of the loader (a global cursor over the
-draw's positions; :class:`~ddpkit.distributed.shards.ResumableDistributedSampler`).
+draw's positions; :class:`~ddpkit.data.shards.ResumableDistributedSampler`).
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from typing import Any
 import torch
 from torch.utils.data import WeightedRandomSampler
 
-from ddpkit.distributed.shards import ResumableDistributedSampler
+from ddpkit.data.shards import ResumableDistributedSampler
 from ddpkit.errors import ConfigError
 
 

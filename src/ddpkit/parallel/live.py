@@ -18,8 +18,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ddpkit.distributed.collectives import broadcast_from_rank_zero
 from ddpkit.errors import ConfigError
+from ddpkit.runtime.collectives import broadcast_from_rank_zero
 
 BUCKET_BYTES = 25 * 1024 * 1024  # DDP's default bucket_cap_mb=25
 _STEPPING: weakref.WeakSet[nn.Module] = weakref.WeakSet()  # models inside a TrainStep now

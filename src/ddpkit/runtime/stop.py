@@ -46,7 +46,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 
-from ddpkit.distributed.signals import (  # torch-free: the launcher's flags read them
+from ddpkit.runtime.signals import (  # torch-free: the launcher's flags read them
     DEFAULT_STOP_SIGNALS,
     GRACE_PERIOD_ENV,
     STOP_SIGNALS_ENV,
@@ -54,7 +54,7 @@ from ddpkit.distributed.signals import (  # torch-free: the launcher's flags rea
 )
 
 if TYPE_CHECKING:
-    from ddpkit.distributed.process_group import Runtime
+    from ddpkit.runtime.process_group import Runtime
 
 TORCHRUN_SHUTDOWN_ENV = "TORCH_ELASTIC_SHUTDOWN_TIMEOUT"  # torchrun's own setting
 TORCHRUN_DEFAULT_GRACE_S = 30.0  # torchrun's --shutdown-timeout default (torch 2.13)

@@ -39,7 +39,7 @@ import numpy as np
 import torch
 from torch.utils.data import ConcatDataset, Dataset, IterableDataset, Subset, TensorDataset
 
-from ddpkit.distributed.streams import stream_length
+from ddpkit.data.streams import stream_length
 
 SAMPLES = 64  # entries of each index list, label list or tensor compared (evenly spread)
 _PLAIN = (str, int, float, bool, bytes, np.generic)

@@ -4,7 +4,7 @@ Training uses torch's ``DistributedSampler`` (same seed on every rank, disjoint 
 every rank has the same number of batches and no rank waits on a collective that never comes).
 Evaluation uses :class:`UnpaddedDistributedSampler`, which gives each sample to exactly one rank,
 so global metrics count every sample once whatever the world size. Streams (``IterableDataset``)
-are split by rank x worker the same two ways (:mod:`ddpkit.distributed.streams`).
+are split by rank x worker the same two ways (:mod:`ddpkit.data.streams`).
 """
 
 from __future__ import annotations
@@ -15,14 +15,14 @@ from typing import Any
 import torch
 from torch.utils.data import DataLoader, Dataset, IterableDataset, WeightedRandomSampler
 
-from ddpkit.distributed.collectives import all_gather_object
-from ddpkit.distributed.fingerprint import dataset_fingerprint, describe, fingerprint_mismatch
-from ddpkit.distributed.loader import ShardedLoader
-from ddpkit.distributed.process_group import Runtime
-from ddpkit.distributed.shards import ResumableDistributedSampler, UnpaddedDistributedSampler
-from ddpkit.distributed.streams import ShardedStream, stream_length
-from ddpkit.distributed.weighted import WeightedDistributedSampler, take_sampler
+from ddpkit.data.fingerprint import dataset_fingerprint, describe, fingerprint_mismatch
+from ddpkit.data.loader import ShardedLoader
+from ddpkit.data.shards import ResumableDistributedSampler, UnpaddedDistributedSampler
+from ddpkit.data.streams import ShardedStream, stream_length
+from ddpkit.data.weighted import WeightedDistributedSampler, take_sampler
 from ddpkit.errors import ConfigError
+from ddpkit.runtime.collectives import all_gather_object
+from ddpkit.runtime.process_group import Runtime
 
 __all__ = [
     "ResumableDistributedSampler",
@@ -93,7 +93,7 @@ def build_train_loader(
     :func:`ddpkit.fit_global_batch`).
 
     A stream (``IterableDataset``) is split by rank x worker (every ``world_size *
-    num_workers``-th item; :mod:`ddpkit.distributed.streams`), its last row padded with its
+    num_workers``-th item; :mod:`ddpkit.data.streams`), its last row padded with its
     first items (or dropped with ``drop_last``) so every rank gets the same number of batches.
     It is read whole by every worker, must yield the same items in the same order in every
     process (``shuffle`` does not apply; a ``set_epoch(epoch)`` method of the stream is called
@@ -101,13 +101,13 @@ def build_train_loader(
 
     Weighted sampling: pass ``sampler=torch.utils.data.WeightedRandomSampler(weights,
     num_samples)``; ``num_samples`` is per epoch over all ranks, drawn once from ``seed +
-    epoch`` and split across the ranks (:class:`~ddpkit.distributed.weighted.
+    epoch`` and split across the ranks (:class:`~ddpkit.data.weighted.
     WeightedDistributedSampler`), resumable like the rest. Any other ``sampler=`` or
     ``batch_sampler=`` is refused (ddpkit does the sharding).
 
     Collective (world size > 1): call on every rank; one all-gather of the settings, which must
     agree (dataset length, seed, shuffle, drop_last, the weighted sampler's weights; num_workers
-    for a stream), and of the dataset's fingerprint (:mod:`ddpkit.distributed.fingerprint`:
+    for a stream), and of the dataset's fingerprint (:mod:`ddpkit.data.fingerprint`:
     ``Subset`` indices, targets, sampled labels), so ranks that built different data (a
     per-rank seed before ``random_split``) are refused.
 
@@ -337,7 +337,7 @@ def build_eval_loader(
     (``loader.rank_num_batches``).
 
     Collective (world size > 1): call on every rank; one all-gather of the length, the batch
-    count and the dataset fingerprint (:mod:`ddpkit.distributed.fingerprint`), which must agree.
+    count and the dataset fingerprint (:mod:`ddpkit.data.fingerprint`), which must agree.
 
     Raises:
         ConfigError (on every rank): ``batch_size`` is not a positive integer; the dataset is

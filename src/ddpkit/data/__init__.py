@@ -1,0 +1,1 @@
+"""ddpkit.data: sharded samplers and loaders, seeding, and the same-data check."""

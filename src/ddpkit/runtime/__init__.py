@@ -1,0 +1,1 @@
+"""ddpkit.runtime: the process group, rendezvous, collectives and the agreed stop."""

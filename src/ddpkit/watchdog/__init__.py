@@ -1,0 +1,1 @@
+"""ddpkit.watchdog: where each rank's thread is, and the hang report built from it."""
