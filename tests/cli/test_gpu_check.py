@@ -88,8 +88,8 @@ def test_the_cpu_dry_run_runs_every_run_and_prints_one_table(tmp_path):
         assert row["exit"] == 0, row
         assert row["test_accuracy"] > floor, row
         assert row["samples_per_s"] > 0 and row["peak_memory_mb"] > 0, row
-        assert row["ratio_to_raw"] == pytest.approx(
-            row["samples_per_s"] / rows["raw_torch"]["samples_per_s"], rel=1e-2
+        assert row["ratio_to_raw"] == pytest.approx(  # the report rounds it to 3 decimals
+            row["samples_per_s"] / rows["raw_torch"]["samples_per_s"], rel=1e-2, abs=5e-4
         )
         assert "cuda -> cpu" in row["substituted"], row
         if name != "raw_torch":
