@@ -51,6 +51,34 @@ def run_cli(
     return Completed(proc.returncode, out, err)
 
 
+FAULTS_DIR = Path(__file__).parent / "faults"
+
+
+def fault_env(
+    *,
+    kill_at: str | None = None,
+    slow_save_s: float | None = None,
+    slow_eval_s: float | None = None,
+) -> dict[str, str]:
+    """The environment that injects faults into a ``ddpkit`` command's processes, from outside
+    the library (tests/faults/sitecustomize.py, put first on ``PYTHONPATH``; see there).
+
+    Args:
+        kill_at: ``"RANK:STEP"``: that rank SIGKILLs itself after optimizer step STEP (first
+            attempt only).
+        slow_save_s: every checkpoint write (and the start-up probe) takes this much longer.
+        slow_eval_s: every evaluation waits this long first.
+    """
+    faults = {
+        "DDPKIT_FAULT_INJECT": kill_at,
+        "DDPKIT_TEST_SLOW_SAVE_S": slow_save_s,
+        "DDPKIT_TEST_SLOW_EVAL_S": slow_eval_s,
+    }
+    paths = [str(FAULTS_DIR), *filter(None, [os.environ.get("PYTHONPATH")])]
+    env = {name: str(value) for name, value in faults.items() if value is not None}
+    return {"PYTHONPATH": os.pathsep.join(paths), **env}
+
+
 def pid_alive(pid: int) -> bool:
     """True while ``pid`` exists and is not a zombie."""
     try:

@@ -51,8 +51,19 @@ if TYPE_CHECKING:  # what type checkers and IDEs see; at run time, __getattr__ b
     from ddpkit.log import configure_logging, get_logger
     from ddpkit.parallel.comm import CommStats
     from ddpkit.parallel.local_sgd import enable_local_sgd
+    from ddpkit.parallel.strategy import (
+        DDP,
+        FSDP,
+        Auto,
+        DataParallel,
+        Live,
+        Single,
+        Strategy,
+        ZeRO1,
+        wrapped_strategy,
+    )
     from ddpkit.parallel.syncbn import convert_sync_batchnorm
-    from ddpkit.parallel.wrap import model_state_dict, unwrap_model, wrap_model
+    from ddpkit.parallel.wrap import model_state_dict, wrap_model
     from ddpkit.parallel.zero import build_zero_optimizer
     from ddpkit.runtime.collectives import (
         all_gather,
@@ -73,20 +84,26 @@ if TYPE_CHECKING:  # what type checkers and IDEs see; at run time, __getattr__ b
     from ddpkit.training.stragglers import StragglerDetector
     from ddpkit.training.uneven import UnevenInputsError, join_uneven_inputs, verify_even_batches
     from ddpkit.watchdog.monitor import DeadlockError, StallError
+    from ddpkit.wrappers import unwrap_model
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "Auto",
     "CheckpointManager",
     "CommStats",
     "ConfigError",
+    "DDP",
     "DataError",
+    "DataParallel",
     "DdpkitError",
     "DeadlockError",
     "DistributedError",
+    "FSDP",
     "GradSyncCheck",
     "GradSyncError",
     "GradientAccumulator",
+    "Live",
     "MixedPrecision",
     "NonFiniteError",
     "NonFiniteGuard",
@@ -94,10 +111,12 @@ __all__ = [
     "ReplicaDivergenceError",
     "Runtime",
     "ShardedLoader",
+    "Single",
     "StallError",
     "StepResult",
     "StepTimer",
     "StragglerDetector",
+    "Strategy",
     "TrainStep",
     "TrainingStopped",
     "UnevenInputsError",
@@ -105,6 +124,7 @@ __all__ = [
     "UnusedParameterDiagnosis",
     "UnusedParameterError",
     "WrappedModelError",
+    "ZeRO1",
     "all_gather",
     "all_gather_object",
     "all_reduce",
@@ -132,20 +152,26 @@ __all__ = [
     "unwrap_model",
     "verify_even_batches",
     "wrap_model",
+    "wrapped_strategy",
 ]
 
 # The module of every name in __all__, imported on first access (ddpkit.X or from ddpkit import X).
 _API_MODULES = {
+    "Auto": "ddpkit.parallel.strategy",
     "CheckpointManager": "ddpkit.checkpoint.manager",
     "CommStats": "ddpkit.parallel.comm",
     "ConfigError": "ddpkit.errors",
+    "DDP": "ddpkit.parallel.strategy",
     "DataError": "ddpkit.errors",
+    "DataParallel": "ddpkit.parallel.strategy",
     "DdpkitError": "ddpkit.errors",
     "DeadlockError": "ddpkit.watchdog.monitor",
     "DistributedError": "ddpkit.errors",
+    "FSDP": "ddpkit.parallel.strategy",
     "GradSyncCheck": "ddpkit.guards.grad_sync",
     "GradSyncError": "ddpkit.guards.grad_sync",
     "GradientAccumulator": "ddpkit.training.accumulation",
+    "Live": "ddpkit.parallel.strategy",
     "MixedPrecision": "ddpkit.training.precision",
     "NonFiniteError": "ddpkit.guards.nonfinite",
     "NonFiniteGuard": "ddpkit.guards.nonfinite",
@@ -153,10 +179,12 @@ _API_MODULES = {
     "ReplicaDivergenceError": "ddpkit.guards.replicas",
     "Runtime": "ddpkit.runtime.process_group",
     "ShardedLoader": "ddpkit.data.sampler",
+    "Single": "ddpkit.parallel.strategy",
     "StallError": "ddpkit.watchdog.monitor",
     "StepResult": "ddpkit.training.step",
     "StepTimer": "ddpkit.training.observe",
     "StragglerDetector": "ddpkit.training.stragglers",
+    "Strategy": "ddpkit.parallel.strategy",
     "TrainStep": "ddpkit.training.step",
     "TrainingStopped": "ddpkit.runtime.stop",
     "UnevenInputsError": "ddpkit.training.uneven",
@@ -164,6 +192,7 @@ _API_MODULES = {
     "UnusedParameterDiagnosis": "ddpkit.training.dynamic",
     "UnusedParameterError": "ddpkit.training.dynamic",
     "WrappedModelError": "ddpkit.guards.wrapped",
+    "ZeRO1": "ddpkit.parallel.strategy",
     "all_gather": "ddpkit.runtime.collectives",
     "all_gather_object": "ddpkit.runtime.collectives",
     "all_reduce": "ddpkit.runtime.collectives",
@@ -188,9 +217,10 @@ _API_MODULES = {
     "peak_memory_mb": "ddpkit.training.observe",
     "resolve_backend": "ddpkit.runtime.process_group",
     "train_epoch": "ddpkit.training.loop",
-    "unwrap_model": "ddpkit.parallel.wrap",
+    "unwrap_model": "ddpkit.wrappers",
     "verify_even_batches": "ddpkit.training.uneven",
     "wrap_model": "ddpkit.parallel.wrap",
+    "wrapped_strategy": "ddpkit.parallel.strategy",
 }
 
 

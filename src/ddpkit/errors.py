@@ -7,6 +7,8 @@ Each subclasses a builtin as well, so callers can catch either the ddpkit type o
 
 from __future__ import annotations
 
+import sys
+
 
 class DdpkitError(Exception):
     """Base class of every error ddpkit raises on purpose."""
@@ -26,3 +28,13 @@ class DistributedError(DdpkitError, RuntimeError):
 
 class DiskFullError(DdpkitError, OSError):
     """A write ran out of space: the disk (or its inodes) is full (``errno`` ``ENOSPC``)."""
+
+
+def add_note(exc: BaseException, note: str) -> None:
+    """``exc.add_note(note)``, also on Python 3.10, which has no ``add_note``: there the note
+    goes into ``exc.__notes__`` (read by ddpkit's own error lines; 3.10's traceback omits it).
+    """
+    if sys.version_info >= (3, 11):
+        exc.add_note(note)
+    else:  # 3.10's BaseException declares no __notes__: set it as a plain instance attribute
+        exc.__dict__["__notes__"] = [*getattr(exc, "__notes__", ()), note]

@@ -3,9 +3,11 @@
 Only the ``ddpkit`` logger (or one you name) is configured; the root logger is left alone.
 
 Example:
-    >>> configure_logging(runtime.info)              # doctest: +SKIP
+    >>> configure_logging(runtime.info)
+    <Logger ddpkit (INFO)>
     >>> log = get_logger("train")                    # "ddpkit.train"
-    >>> log.info("epoch 1 done")                     # printed once, by rank 0
+    >>> log.info("epoch 1 done")                     # on stdout, by rank 0 only
+    epoch 1 done
     >>> log.warning("slow step")                     # "[rank 1/2] WARNING: slow step" on rank 1
 """
 

@@ -97,10 +97,13 @@ def at_least(minimum: int) -> Check:
 
 def finite(*, above: float | None = None, at_least: float | None = None) -> Check:
     """A check: a finite number ``> above`` (or ``>= at_least``)."""
+    strict = above is not None
+    bound = above if above is not None else at_least
+    assert bound is not None, "finite() needs above= or at_least="
+    sign = ">" if strict else ">="
 
     def check(value: float) -> str | None:
-        low_ok = value > above if above is not None else value >= at_least
-        sign, bound = (">", above) if above is not None else (">=", at_least)
+        low_ok = value > bound if strict else value >= bound
         return (
             None if math.isfinite(value) and low_ok else f"must be a finite number {sign} {bound:g}"
         )

@@ -71,7 +71,7 @@ def _ddpkit(args: list[str], tmp_path: Path) -> tuple[int, str, str, set[str]]:
         (
             ["run", "-n", "0", "no-such-script.py"],
             2,
-            "ddpkit run: error: invalid launch: nproc=0 must be an integer >= 1; "
+            "ddpkit run: error: invalid launch: nproc=0 must be >= 1; "
             "script='no-such-script.py' does not exist.",
         ),
         (["train", "--help"], 0, "usage: ddpkit train [-h] [--config FILE] [--print-config]"),
@@ -101,7 +101,8 @@ def _ddpkit(args: list[str], tmp_path: Path) -> tuple[int, str, str, set[str]]:
             ["train", "--batch-size", "0", "--stop-signals", "SIGKILL"],
             2,
             "ddpkit train: error: invalid config: batch_size=0 must be >= 1. "
-            "stop_signals='SIGKILL' must be signal names",
+            "stop_signals='SIGKILL' is not usable: invalid stop signals: SIGKILL. Use signal names "
+            "such as SIGTERM,SIGINT,SIGUSR1 (SIGKILL and SIGSTOP cannot be caught), or none.",
         ),
         (  # a rule between two values: torch waits when --nproc is given (no GPU count needed)
             ["train", "--strategy", "single", "--nproc", "2"],

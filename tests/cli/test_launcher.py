@@ -280,7 +280,7 @@ def test_elastic_world_size_limit_counts_every_node_that_may_join(monkeypatch, c
 @pytest.mark.parametrize(
     "args,expected",
     [
-        (["-n", "0", "x.py"], "nproc=0 must be an integer >= 1"),
+        (["-n", "0", "x.py"], "nproc=0 must be >= 1; script="),
         (["-n", "2", "/no/such/script.py"], "script='/no/such/script.py' does not exist"),
         (["-n", "2"], "no script given"),
         (["-n", "2", "-m", "no_such_module_xyz"], "module='no_such_module_xyz' cannot be found"),

@@ -10,7 +10,8 @@ import torch
 
 from ddpkit.app.mnist.model import DigitsCNN
 from ddpkit.cli import main
-from tests.helpers import run_cli, run_main
+from tests.helpers import run_main
+from tests.mnist_job import train_in_process
 
 NUM_CUDA = torch.cuda.device_count() if torch.cuda.is_available() else 0
 
@@ -123,28 +124,16 @@ def test_help_lists_the_flags_with_units(capsys):
 
 @pytest.mark.slow
 def test_local_sgd_job_reports_averaging_bytes_per_step(tmp_path):
-    """8 steps with averaging every 4: two rounds of all parameters, no gradient bytes."""
+    """8 steps with averaging every 4: two rounds of all parameters, no gradient bytes.
+
+    The job's counts, not the command line: in-process (tests/mnist_job.py), no launcher."""
     pytest.importorskip("sklearn")
     out = tmp_path / "run"
     flags = ["--max-steps", "8", "--sync-every", "4", "--check-replicas-every", "4"]
-    result = run_cli(
-        [
-            "-m",
-            "ddpkit",
-            "train",
-            "--dataset",
-            "digits",
-            "--nproc",
-            "2",
-            "--epochs",
-            "1",
-            "--output-dir",
-            str(out),
-            *flags,
-        ],
-        timeout_s=180,
+    result = train_in_process(
+        ["--dataset", "digits", "--epochs", "1", "--output-dir", str(out), *flags], nproc=2
     )
-    assert result.returncode == 0, result.output
+    assert result.summary["world_size"] == 2, result.summary
     assert "local SGD averaging every 4 steps" in result.stdout
     param_bytes = sum(p.numel() * p.element_size() for p in DigitsCNN().parameters())
     summary = json.loads((out / "summary.json").read_text())

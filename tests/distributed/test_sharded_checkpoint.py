@@ -11,7 +11,6 @@ from __future__ import annotations
 import copy
 import json
 import os
-from pathlib import Path
 
 import pytest
 import torch
@@ -212,7 +211,9 @@ def test_a_rank_killed_mid_save_leaves_no_complete_folder_and_resume_falls_back(
 
 def _peer_lost_mid_save(rt, directory: str, async_save: bool) -> None:
     """Save at step 1; at step 2 rank 1 stops answering inside DCP's write (a peer hung or
-    killed: rank 0's collectives fail) until rank 0 has cleaned up."""
+    killed: rank 0's collectives fail). Rank 1 stays hung after rank 0 has cleaned up, until the
+    harness kills it on rank 0's error: were it to raise once the folder is gone, its error could
+    reach the harness before rank 0's (which the test expects)."""
     import time
 
     import torch.distributed.checkpoint as dcp
@@ -226,10 +227,8 @@ def _peer_lost_mid_save(rt, directory: str, async_save: bool) -> None:
     ckpt.wait()
 
     def lost(self, plan, planner):
-        deadline = time.monotonic() + 60  # rank 0's collective times out (5 s), then it cleans
-        while list(Path(directory).glob(".tmp-*")) and time.monotonic() < deadline:
-            time.sleep(0.05)
-        raise RuntimeError("rank 1 lost")
+        time.sleep(60)  # hung: rank 0's collective times out (5 s), it cleans up and raises
+        raise RuntimeError("rank 1 lost")  # only if rank 0 never did (the harness kills us)
 
     if rt.rank == 1:
         dcp.FileSystemWriter.write_data = lost

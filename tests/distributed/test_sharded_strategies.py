@@ -388,3 +388,51 @@ def test_wrap_policies_pick_the_blocks():
     ]
     assert blocks == ["<root>", "layers.0", "layers.1"]
     assert mixed == ["<root>", "embed", "layers.0", "layers.1", "head"]  # outermost match wins
+
+
+OBJECT_CASES = {  # name -> (the keyword form's options, the same strategy as an object)
+    "ddp": (
+        {"grad_compression": "bf16", "bucket_cap_mb": 1},
+        ddpkit.DDP(grad_compression="bf16", bucket_cap_mb=1),
+    ),
+    "zero1": ({}, ddpkit.ZeRO1()),
+    "fsdp": ({"reshard_after_forward": False}, ddpkit.FSDP(reshard_after_forward=False)),
+    "auto": (
+        {"find_unused_parameters": True},
+        ddpkit.Auto(ddp=ddpkit.DDP(find_unused_parameters=True)),
+    ),
+}
+
+
+def _objects_rank(runtime: Runtime) -> dict[str, tuple]:
+    """Each strategy wrapped by name and as an object: the wrapper, the recorded strategy and
+    the state after one optimizer step on rank-dependent data (equal bitwise)."""
+    x, y = _dataset(8 * runtime.world_size).tensors
+    x, y = x[runtime.rank :: runtime.world_size], y[runtime.rank :: runtime.world_size]
+    found = {}
+    for name, (options, strategy) in OBJECT_CASES.items():
+        states, seen = [], []
+        for given, kwargs in ((name, options), (strategy, {})):
+            model = ddpkit.wrap_model(_net(), runtime, strategy=given, **kwargs)
+            recorded = ddpkit.wrapped_strategy(model)
+            optimizer = _optimizer(model, runtime, recorded.name)
+            torch.nn.functional.cross_entropy(model(x), y).backward()
+            optimizer.step()
+            states.append(ddpkit.model_state_dict(model))
+            seen.append((type(model).__name__, recorded == strategy.resolve(runtime.world_size)))
+        same = states[0].keys() == states[1].keys() and all(
+            torch.equal(value, states[1][key]) for key, value in states[0].items()
+        )
+        found[name] = (*seen[1], seen[0][0], same)
+    return found
+
+
+def test_strategy_objects_wrap_and_train_as_their_names_do():
+    results = run_distributed(_objects_rank, 2, timeout_s=90)
+    assert results[0] == results[1]
+    assert results[0] == {
+        "ddp": ("DistributedDataParallel", True, "DistributedDataParallel", True),
+        "zero1": ("DistributedDataParallel", True, "DistributedDataParallel", True),
+        "fsdp": ("FSDPSequential", True, "FSDPSequential", True),
+        "auto": ("DistributedDataParallel", True, "DistributedDataParallel", True),
+    }

@@ -22,7 +22,7 @@ import time
 
 import pytest
 
-from tests.helpers import run_cli, run_main
+from tests.helpers import fault_env, run_cli, run_main
 
 DIGITS_2_RANKS = ["-m", "ddpkit", "train", "--dataset", "digits", "--nproc", "2"]
 # 12 optimizer steps per epoch (719 samples per rank, batch 64), 24 in 2 epochs
@@ -69,7 +69,7 @@ def resumed_run(tmp_path_factory):
             "--output-dir",
             str(out),
         ],
-        env={"DDPKIT_FAULT_INJECT": "1:23"},
+        env=fault_env(kill_at="1:23"),
         timeout_s=300,
     )
     assert result.returncode == 0, result.output

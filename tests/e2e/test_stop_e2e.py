@@ -26,7 +26,8 @@ import torch
 from ddpkit.checkpoint.io import list_checkpoints, load_checkpoint
 from ddpkit.checkpoint.lock import LOCK_NAME
 from ddpkit.runtime.stop import DUPLICATE_WINDOW_S
-from tests.helpers import descendants, pid_alive, run_cli
+from tests.helpers import descendants, fault_env, pid_alive, run_cli
+from tests.mnist_job import train_in_process
 
 TRAIN = ["-m", "ddpkit", "train", "--dataset", "digits", "--nproc", "2", "--log-every", "1"]
 EPOCHS = ["--epochs", "5"]  # 12 steps per epoch on 2 ranks: 60 in all
@@ -145,8 +146,9 @@ def test_sigterm_to_the_launcher_stops_at_a_step_and_resumes_bitwise(tmp_path):
     assert 10 <= step < 60
     assert len(job.errors().strip().splitlines()) == 1, job.errors()  # one line, no warnings
     resumed = _resumed_model(tmp_path, resume, step)
-    reference = run_cli([*TRAIN, *EPOCHS, "--output-dir", str(tmp_path / "ref")], timeout_s=240)
-    assert reference.returncode == 0, reference.output
+    # the uninterrupted reference checks the job only: in-process (tests/mnist_job.py)
+    reference = train_in_process([*TRAIN[3:], *EPOCHS, "--output-dir", str(tmp_path / "ref")], 2)
+    assert reference.summary["final_step"] == 60, reference.summary
     expected = torch.load(tmp_path / "ref" / "model.pt", weights_only=True)
     assert all(torch.equal(expected[k], resumed[k]) for k in expected)  # 0 lost steps, exact
 
@@ -171,7 +173,7 @@ def test_sigusr1_to_every_process_is_one_request(tmp_path):
 
 
 def test_a_second_signal_during_the_save_stops_at_once_and_keeps_the_last_checkpoint(tmp_path):
-    slow = {"DDPKIT_TEST_SLOW_SAVE_S": "4"}  # every write (and the start-up probe) takes 4 s
+    slow = fault_env(slow_save_s=4)  # every write (and the start-up probe) takes 4 s
     job = Job([*TRAIN, *EPOCHS, "--checkpoint-every", "8"], tmp_path / "run", env=slow)
     checkpoints = tmp_path / "run" / "checkpoints"
     job.wait_for(lambda: (checkpoints / "step-00000008" / "manifest.json").is_file(), "step 8")
@@ -206,7 +208,7 @@ def test_a_second_signal_during_the_save_stops_at_once_and_keeps_the_last_checkp
 
 
 def test_a_signal_during_evaluation_stops_at_the_next_step(tmp_path):
-    slow = {"DDPKIT_TEST_SLOW_EVAL_S": "3"}
+    slow = fault_env(slow_eval_s=3)
     job = Job([*TRAIN, *EPOCHS], tmp_path / "run", env=slow)
     job.wait_for_step(12)  # the last step of epoch 1: its evaluation comes next
     os.kill(job.proc.pid, signal.SIGTERM)
@@ -220,7 +222,7 @@ def test_a_signal_during_evaluation_stops_at_the_next_step(tmp_path):
 
 def test_a_save_longer_than_the_grace_period_is_said_at_start_up(tmp_path):
     pytest.importorskip("sklearn")
-    slow = {"DDPKIT_TEST_SLOW_SAVE_S": "3"}
+    slow = fault_env(slow_save_s=3)
     argv = [*TRAIN, "--epochs", "1", "--max-steps", "2", "--grace-period", "2"]
     result = run_cli([*argv, "--output-dir", str(tmp_path / "run")], env=slow, timeout_s=180)
     assert result.returncode == 0, result.output

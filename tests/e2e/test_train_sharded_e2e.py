@@ -6,6 +6,10 @@ export`` giving the model ``model.pt`` holds.
 Digits, 2 epochs of 8 optimizer steps (whole global batches of 128), a checkpoint every 4
 steps; rank 1 SIGKILLed at step 6 in the faulty run (no restarts), which is then resumed on 4
 processes.
+
+The three uninterrupted runs check the job, not its command line: they run in-process
+(``tests/mnist_job.py``: the ranks forked from the test harness, no launcher), bitwise as
+``ddpkit train`` would; the killed job, its resume and the export are real commands.
 """
 
 from __future__ import annotations
@@ -15,12 +19,10 @@ import json
 import pytest
 import torch
 
-from tests.helpers import run_cli
+from tests.helpers import fault_env, run_cli
+from tests.mnist_job import train_in_process
 
-COMMON = [
-    "-m",
-    "ddpkit",
-    "train",
+FLAGS = [
     "--dataset",
     "digits",
     "--epochs",
@@ -32,6 +34,7 @@ COMMON = [
     "--log-every",
     "1",
 ]
+COMMON = ["-m", "ddpkit", "train", *FLAGS]
 # another strategy or world size: another float reduction order; pytest -s prints the largest
 # relative difference (docs/checkpoints.md gives the figures measured)
 LOSS_RTOL = 1e-5
@@ -51,11 +54,13 @@ def test_fsdp_and_zero1_train_like_ddp_and_fsdp_resumes_on_another_nproc(tmp_pat
     pytest.importorskip("sklearn")
     from ddpkit.app.mnist.model import DigitsCNN
 
-    runs = {}
+    runs = {}  # the job's behaviour: in-process (tests/mnist_job.py)
     for strategy in ("ddp", "zero1", "fsdp"):
         extra = ["--async-checkpoint"] if strategy == "zero1" else []  # committed at the end
-        done = _train(tmp_path, strategy, "--nproc", "2", "--strategy", strategy, *extra)
-        assert done.returncode == 0, done.output
+        out = str(tmp_path / strategy)
+        flags = [*FLAGS, "--output-dir", out, "--strategy", strategy, *extra]
+        done = train_in_process(flags, nproc=2)  # a failed rank raises, with its traceback
+        assert done.summary["final_step"] == 16, done.summary
         assert f"gradient sync: strategy {strategy}" in done.stdout
         runs[strategy] = _losses(tmp_path / strategy)
     for strategy in ("zero1", "fsdp"):
@@ -76,7 +81,7 @@ def test_fsdp_and_zero1_train_like_ddp_and_fsdp_resumes_on_another_nproc(tmp_pat
     ]
     assert (zero1_ckpt / "step-00000016" / "dcp" / "__1_0.distcp").is_file()
     faulty = _train(
-        tmp_path, "killed", "--nproc", "2", "--strategy", "fsdp", env={"DDPKIT_FAULT_INJECT": "1:6"}
+        tmp_path, "killed", "--nproc", "2", "--strategy", "fsdp", env=fault_env(kill_at="1:6")
     )
     assert faulty.returncode == 1, faulty.output
     resumed = _train(tmp_path, "killed", "--nproc", "4", "--strategy", "fsdp", "--resume", "auto")

@@ -8,7 +8,8 @@ import json
 import pytest
 import torch
 
-from tests.helpers import run_cli
+from tests.helpers import fault_env, run_cli
+from tests.mnist_job import train_in_process
 
 DIGITS_2_RANKS = ["-m", "ddpkit", "train", "--dataset", "digits", "--nproc", "2"]
 
@@ -16,15 +17,18 @@ DIGITS_2_RANKS = ["-m", "ddpkit", "train", "--dataset", "digits", "--nproc", "2"
 def test_accumulating_job_restarts_and_resumes_to_the_same_parameters(tmp_path):
     pytest.importorskip("sklearn")
     # 12 batches per rank and epoch, K = 2: 6 optimizer steps per epoch, 12 in all
-    common = [*DIGITS_2_RANKS, "--epochs", "2", "--grad-accum", "2", "--checkpoint-every", "4"]
-    plain = run_cli([*common, "--output-dir", str(tmp_path / "plain")], timeout_s=180)
-    assert plain.returncode == 0, plain.output
+    flags = ["--epochs", "2", "--grad-accum", "2", "--checkpoint-every", "4"]
+    common = [*DIGITS_2_RANKS, *flags]
+    # the uninterrupted reference checks the job only: in-process (tests/mnist_job.py)
+    plain_flags = ["--dataset", "digits", *flags, "--output-dir", str(tmp_path / "plain")]
+    plain = train_in_process(plain_flags, nproc=2)
+    assert plain.summary["final_step"] == 12, plain.summary
     assert "global batch 256" in plain.stdout
     # rank 1 dies at optimizer step 5; the restart resumes from step 4 (mid epoch 1: 8 of its
     # 12 batches done) and must skip exactly those
     faulty = run_cli(
         [*common, "--max-restarts", "1", "--output-dir", str(tmp_path / "faulty")],
-        env={"DDPKIT_FAULT_INJECT": "1:5"},
+        env=fault_env(kill_at="1:5"),
         timeout_s=240,
     )
     assert faulty.returncode == 0, faulty.output

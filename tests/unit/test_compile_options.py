@@ -19,6 +19,7 @@ from ddpkit.app.mnist.config import TrainConfig, check
 from ddpkit.env import ProcessInfo
 from ddpkit.guards import grad_sync
 from ddpkit.parallel.compile import compile_wrapped, prepare_compile
+from ddpkit.parallel.strategy import DDP, FSDP, DataParallel, Live, Single, ZeRO1
 from ddpkit.runtime.process_group import Runtime
 
 SINGLE = Runtime(ProcessInfo())
@@ -67,34 +68,31 @@ def test_bad_compile_values_are_refused(compile_, expected):
 
 
 @pytest.mark.parametrize(
-    "strategy,compile_,steps,ddp_kwargs,expected",
+    "strategy,compile_,steps,expected",
     [
-        ("dp", True, None, {}, "compile with strategy='dp': DataParallel replicates"),
-        ("ddp", True, None, {"bucket_cap_mb": 0.5}, "bucket_cap_mb=0.5 with compile: torch"),
-        ("ddp", True, -1, {}, "invalid grad_sync_check_steps=-1. It counts optimizer steps"),
-        ("fsdp", True, 3, {}, "grad_sync_check_steps=3 with strategy='fsdp': the check"),
+        (DataParallel(), True, None, "compile with strategy='dp': DataParallel replicates"),
+        (DDP(bucket_cap_mb=0.5), True, None, "bucket_cap_mb=0.5 with compile: torch"),
+        (DDP(), True, -1, "invalid grad_sync_check_steps=-1. It counts optimizer steps"),
+        (FSDP(), True, 3, "grad_sync_check_steps=3 with strategy='fsdp': the check"),
+        (Live(), False, 3, "grad_sync_check_steps=3 with strategy='live': the check"),
     ],
 )
-def test_what_compile_cannot_do_is_refused_in_one_line(
-    strategy, compile_, steps, ddp_kwargs, expected
-):
+def test_what_compile_cannot_do_is_refused_in_one_line(strategy, compile_, steps, expected):
     with pytest.raises(ddpkit.ConfigError) as info:
-        prepare_compile(strategy, compile_, steps, ddp_kwargs)
+        prepare_compile(strategy, compile_, steps)
     assert str(info.value).startswith(expected)
     assert "\n" not in str(info.value)
 
 
 def test_the_check_is_on_by_default_only_under_compile_with_ddp():
-    assert prepare_compile("ddp", True, None, {}) == ({}, 3)
-    assert prepare_compile("ddp", {"mode": "max-autotune"}, None, {}) == (
-        {"mode": "max-autotune"},
-        3,
-    )
-    assert prepare_compile("ddp", False, None, {}) == (None, 0)
-    assert prepare_compile("ddp", False, 2, {}) == (None, 2)  # eager DDP may ask for it
-    assert prepare_compile("single", True, None, {}) == ({}, 0)
-    assert prepare_compile("fsdp", True, None, {}) == ({}, 0)
-    assert prepare_compile("ddp", True, None, {"bucket_cap_mb": 1}) == ({}, 3)
+    assert prepare_compile(DDP(), True, None) == ({}, 3)
+    assert prepare_compile(DDP(), {"mode": "max-autotune"}, None) == ({"mode": "max-autotune"}, 3)
+    assert prepare_compile(DDP(), False, None) == (None, 0)
+    assert prepare_compile(DDP(), False, 2) == (None, 2)  # eager DDP may ask for it
+    assert prepare_compile(ZeRO1(), True, None) == ({}, 3)
+    assert prepare_compile(Single(), True, None) == ({}, 0)
+    assert prepare_compile(FSDP(), True, None) == ({}, 0)
+    assert prepare_compile(DDP(bucket_cap_mb=1), True, None) == ({}, 3)
 
 
 class _DdpLike(nn.Module):
@@ -107,8 +105,8 @@ class _DdpLike(nn.Module):
 
 def test_a_torch_sequential_under_ddp_is_said_not_to_compile(caplog):
     with caplog.at_level(logging.WARNING, logger="ddpkit"):
-        compile_wrapped(_DdpLike(nn.Sequential(nn.Linear(2, 2))), "ddp", {"backend": "eager"})
-        compile_wrapped(_DdpLike(Net()), "ddp", {"backend": "eager"})
+        compile_wrapped(_DdpLike(nn.Sequential(nn.Linear(2, 2))), DDP(), {"backend": "eager"})
+        compile_wrapped(_DdpLike(Net()), DDP(), {"backend": "eager"})
     (line,) = [r.getMessage() for r in caplog.records if r.name == "ddpkit.parallel"]
     assert "the model is torch's own Sequential, whose forward dynamo skips under DDP" in line
 

@@ -17,7 +17,7 @@ PACKAGE = Path(ddpkit.__file__).resolve().parent
 # lowest first; a module may import from its own layer and any layer before it. Inside the
 # library each package has a layer of its own, so an import cycle between two packages fails here.
 LAYERS = (
-    ("errors", "files", "settings", "env"),
+    ("errors", "files", "settings", "env", "wrappers"),  # wrappers: what wraps a module
     # the library: what a user's own loop imports (``ddpkit/__init__.py`` is its public face)
     ("log",),
     ("security",),  # the rendezvous token and bind checks, the allow-list unpickler

@@ -113,6 +113,43 @@ def test_each_cross_field_rule_is_raised_by_check_alone(settings, world_size, ex
         check(config, world_size=2 if (world_size or config.nproc) == 1 else 1)
 
 
+def test_the_rules_the_library_checks_are_its_own_lines():
+    from ddpkit.launch.config import LaunchConfig, launch_rules
+    from ddpkit.launch.spec import LaunchSpec, validate_spec
+    from ddpkit.training.rules import join_with_local_sgd, static_graph_with_accumulation
+
+    (spares,) = launch_rules(LaunchConfig(spares=1))
+    assert spares.startswith("spares=1 with fault_tolerance='restart'. Spares take over lost")
+    with pytest.raises(ConfigError) as caught:
+        validate_spec(LaunchSpec([__file__], 2, spares=1))  # ddpkit run's check
+    assert str(caught.value) == f"invalid launch: {spares}."
+    static = static_graph_with_accumulation(True, 2, name="grad_accum")
+    join = join_with_local_sgd(True, 2)
+    for settings, line in (
+        ({"spares": 1}, spares),
+        ({"static_graph": True, "grad_accum": 2}, static),
+        ({"sync_every": 2, "join": True}, join),
+    ):
+        with pytest.raises(ConfigError) as caught:
+            check(TrainConfig(**settings))
+        assert str(caught.value) == f"invalid config: {line}.", settings
+
+
+def test_run_and_train_take_the_launch_flags_from_one_declaration():
+    from ddpkit.cli import build_parser
+    from ddpkit.launch.config import LaunchConfig
+    from ddpkit.settings import fields_of
+
+    parsers = build_parser().get_default("subcommand_parsers")
+    run, train = ({a.dest: a for a in parsers[name]._actions} for name in ("run", "train"))
+    for field in fields_of(LaunchConfig):
+        ours, theirs = run[field.name], train[field.name]
+        assert ours.option_strings[-1] == theirs.option_strings[-1], field.name
+        for what in ("help", "type", "choices", "metavar", "default"):
+            assert getattr(ours, what) == getattr(theirs, what), (field.name, what)
+    assert run["nproc"].option_strings == ["-n", "--nproc"] and run["nproc"].required
+
+
 def test_defaults_pass_and_world_size_rules_wait_for_a_world_size():
     check(TrainConfig())
     check(TrainConfig(), world_size=2)
@@ -128,7 +165,7 @@ def test_every_bad_value_is_listed_in_one_line():
         "epochs=0 must be >= 1",
         "lr=-1.0 must be a finite number > 0",
         "optimizer='lamb' must be one of 'adam', 'adamw', 'sgd'",
-        "stall_timeout=1.0 must be 0 (off) or a finite number >= 2",
+        "stall_timeout=1.0 must be 0 (off) or a number of seconds >= 2 (two watchdog heartbeats)",
         "nproc=0 must be >= 1",
     ):
         assert expected in message, message

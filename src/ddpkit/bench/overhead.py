@@ -19,11 +19,14 @@ import dataclasses
 import json
 import sys
 from pathlib import Path
+from typing import TypeVar
 
 from ddpkit.bench import options, steploop
 from ddpkit.bench.report import format_table, machine, machine_line, median, write_csv
 from ddpkit.bench.steploop import LOCAL_SGD_FORM
 from ddpkit.errors import ConfigError
+
+_T = TypeVar("_T")  # what rotated() orders: form names, (strategy, nproc) runs
 
 COLUMNS = (
     ("form", "form", "s"),
@@ -60,7 +63,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     options.add_loop_arguments(parser)
 
 
-def rotated(forms: list[str], round_index: int) -> list[str]:
+def rotated(forms: list[_T], round_index: int) -> list[_T]:
     """The order of round ``round_index`` (0-based): ``forms`` rotated left that many times."""
     shift = round_index % len(forms)
     return forms[shift:] + forms[:shift]

@@ -28,11 +28,14 @@ import resource
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 import torch.distributed as dist
 from torch import nn
+
+if TYPE_CHECKING:
+    from torch.distributed.optim import ZeroRedundancyOptimizer
 
 STRATEGIES = ("ddp", "zero1", "fsdp")
 COUNTED = {  # torch.distributed function -> (position, keyword) of the tensor whose bytes count
@@ -82,7 +85,7 @@ def build_mlp(settings: MemorySettings) -> nn.Module:
 
 
 def _local_bytes(tensors: Any) -> int:
-    from ddpkit.parallel.fsdp import local_tensor
+    from ddpkit.wrappers import local_tensor
 
     return sum(local_tensor(t).numel() * t.element_size() for t in tensors)
 
@@ -93,7 +96,9 @@ def state_bytes(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str,
 
     params = list(model.parameters())
     grads = [p.grad for p in params if p.grad is not None]
-    states = optimizer.optim.state if is_zero_optimizer(optimizer) else optimizer.state
+    states = optimizer.state
+    if is_zero_optimizer(optimizer):  # a ZeroRedundancyOptimizer: its local optimizer's state
+        states = cast("ZeroRedundancyOptimizer", optimizer).optim.state
     tensors = [v for s in states.values() for v in s.values() if isinstance(v, torch.Tensor)]
     return {
         "param_bytes": _local_bytes(params),

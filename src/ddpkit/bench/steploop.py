@@ -189,7 +189,7 @@ def form_worker(store: dist.Store, form: str, settings: StepLoopSettings) -> dic
 
 
 def timed_steps(
-    batches: Iterator[Any], step: Callable[[Any], None], settings: StepLoopSettings
+    batches: Iterator[Any], step: Callable[[Any], object], settings: StepLoopSettings
 ) -> float:
     """W warm-up steps, a barrier, K timed steps, a barrier; returns this rank's seconds.
 
@@ -272,19 +272,24 @@ def _raw_form(store: dist.Store, data, settings: StepLoopSettings, sync: bool) -
     device = _device()
     with _default_group(store):
         torch.manual_seed(settings.seed)
-        model = MnistCNN().to(device)
+        net = MnistCNN().to(device)
+        model: torch.nn.Module = net
+        ddp = None
         if world_size > 1:  # one process (scaling, n=1): the plain model
             device_ids = [device.index] if device.type == "cuda" else None
-            model = DistributedDataParallel(model, device_ids=device_ids)
+            model = ddp = DistributedDataParallel(net, device_ids=device_ids)
         optimizer = torch.optim.Adam(model.parameters(), lr=settings.lr)
-        sampler = DistributedSampler(data, world_size, rank, shuffle=True, seed=settings.seed)
+        sampler: DistributedSampler[Any] = DistributedSampler(
+            data, world_size, rank, shuffle=True, seed=settings.seed
+        )
         loader = DataLoader(data, batch_size=settings.batch_size, sampler=sampler)
 
         def step(batch) -> None:
             inputs, targets = (t.to(device) for t in batch)
             optimizer.zero_grad(set_to_none=True)
-            skip_sync = not sync and world_size > 1
-            with model.no_sync() if skip_sync else contextlib.nullcontext():
+            # ddp: world_size > 1 (one process trains the plain model, nothing to skip)
+            skip_sync = ddp.no_sync() if ddp is not None and not sync else contextlib.nullcontext()
+            with skip_sync:
                 loss = F.cross_entropy(model(inputs), targets)
                 loss.backward()
             optimizer.step()
@@ -369,7 +374,9 @@ def _accelerate_form(store: dist.Store, data, settings: StepLoopSettings) -> dic
 def _fabric_form(store: dist.Store, data, settings: StepLoopSettings) -> dict:
     from ddpkit.app.mnist.model import MnistCNN
 
-    Fabric = importlib.import_module(_module_of("fabric")).Fabric  # noqa: N806
+    module = _module_of("fabric")
+    assert module is not None  # the bench's options refuse a form that is not installed
+    Fabric = importlib.import_module(module).Fabric  # noqa: N806
 
     _, world_size = _rank_world()
     with _default_group(store):

@@ -148,7 +148,7 @@ class ForgottenStateCheck:
 
     Example:
         >>> check = ForgottenStateCheck()
-        >>> check.run(state, "resume")  # then once more with "save"  # doctest: +SKIP
+        >>> check.run(state, "resume")  # then once more with "save"
     """
 
     def __init__(self) -> None:

@@ -27,7 +27,6 @@ from ddpkit.security.safe_load import load_state_bytes
 
 MANIFEST = "manifest.json"
 STATE_FILE = "state.pt"
-SLOW_SAVE_ENV = "DDPKIT_TEST_SLOW_SAVE_S"  # a testing hook: every write sleeps this long
 FORMAT_VERSION = 2  # 2: the manager's {name: state dict} under "state"
 KNOWN_FORMATS = (1, 2)  # 1 is read to be refused with its own message (manager.py)
 
@@ -121,8 +120,6 @@ def _write_files(
 ) -> None:
     if state is not None:
         write_state_file(tmp, state)
-    if os.environ.get(SLOW_SAVE_ENV):  # tests: a save long enough to signal during it
-        time.sleep(float(os.environ[SLOW_SAVE_ENV]))
     manifest = {
         "format": FORMAT_VERSION,
         "step": step,

@@ -38,6 +38,7 @@ import torch.distributed as dist
 
 from ddpkit.checkpoint.async_save import AsyncShardedSaves
 from ddpkit.checkpoint.changes import check_module_fits, optimizer_changes
+from ddpkit.checkpoint.config import KEEP_LAST
 from ddpkit.checkpoint.consistency import (
     BUFFERS_OF,
     describe,
@@ -204,8 +205,9 @@ class CheckpointManager:
 
     Example:
         >>> ckpt = CheckpointManager("ckpt", rt, state={"model": model, "optimizer": opt})
-        >>> step = ckpt.resume()  # 0 when there is no checkpoint yet   # doctest: +SKIP
-        >>> ckpt.save(step)                                              # doctest: +SKIP
+        >>> step = ckpt.resume()  # 0 when there is no checkpoint yet
+        >>> ckpt.save(step + 1)
+        PosixPath('ckpt/step-00000001')
     """
 
     def __init__(
@@ -214,7 +216,7 @@ class CheckpointManager:
         runtime: Runtime,
         *,
         state: Mapping[str, Any] | None = None,
-        keep_last: int = 3,
+        keep_last: int = KEEP_LAST,
         every_steps: int = 0,
         every_epochs: int = 0,
         extra: Mapping[str, Any] | None = None,
@@ -306,7 +308,8 @@ class CheckpointManager:
                 naming it).
 
         Example:
-            >>> ckpt.save(step)  # doctest: +SKIP
+            >>> ckpt.save(step)
+            PosixPath('ckpt/step-00000100')
         """
         if self.runtime.live is not None and self.runtime.live.quorum is not None:
             # a member lost mid-save: the save starts over on the members that remain
@@ -534,7 +537,7 @@ class CheckpointManager:
             DistributedError: the ranks found different newest checkpoints.
 
         Example:
-            >>> step = ckpt.resume()  # doctest: +SKIP
+            >>> step = ckpt.resume()  # the newest complete checkpoint's step, or 0
         """
         self._managed("resume")
         self._check_forgotten("resume")

@@ -99,8 +99,9 @@ def load_model_state(
         ConfigError: ``model`` is an ``fsdp`` model (load before wrapping it).
 
     Example:
-        >>> result = load_model_state(model, torch.load("backbone.pt"), strict=False)
-        >>> result.missing_keys                                      # doctest: +SKIP
+        >>> backbone = {k: v for k, v in model.state_dict().items() if ".head." not in k}
+        >>> result = load_model_state(model, backbone, strict=False)  # "module." prefixes gone
+        >>> result.missing_keys
         ['head.weight', 'head.bias']
     """
     target = unwrap_model(model)

@@ -11,19 +11,40 @@ returns exactly what the command line set, to lay over the defaults and a config
 from __future__ import annotations
 
 import argparse
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from typing import Any
 
 from ddpkit.settings import field_kinds, fields_of, flag_of, help_of, option_of
 
 
-def add_settings_arguments(parser: argparse.ArgumentParser, sections: Mapping[str, type]) -> None:
-    """One argument group per section (``{"step": StepConfig, ...}``), one flag per field."""
+def add_settings_arguments(
+    parser: argparse.ArgumentParser,
+    sections: Mapping[str, type],
+    *,
+    config_file: bool = True,
+    short: Mapping[str, str] | None = None,
+    required: Collection[str] = (),
+) -> None:
+    """One argument group per section (``{"step": StepConfig, ...}``), one flag per field.
+
+    Args:
+        parser: the command's parser.
+        sections: ``{section name: settings class}``.
+        config_file: whether the command reads the sections from ``--config`` (said in the
+            group titles).
+        short: ``{field name: "-n"}``: a short flag before the long one.
+        required: the names of the fields the command line must give.
+    """
     for name, cls in sections.items():
         title = (cls.__doc__ or name).strip().splitlines()[0]
-        group = parser.add_argument_group(f"{title} ([{name}] in --config)")
+        group = parser.add_argument_group(
+            f"{title} ([{name}] in --config)" if config_file else title
+        )
         for field in fields_of(cls):
-            group.add_argument(flag_of(field), **_argument(cls, field))
+            flags = [flag_of(field)]
+            if short and field.name in short:
+                flags.insert(0, short[field.name])
+            group.add_argument(*flags, **_argument(cls, field), required=field.name in required)
 
 
 def _argument(cls: type, field: Any) -> dict[str, Any]:
@@ -33,8 +54,8 @@ def _argument(cls: type, field: Any) -> dict[str, Any]:
         return {**common, "type": on_off, "metavar": "{on,off}"}
     if kind is bool:
         return {**common, "action": "store_false" if field.default else "store_true"}
-    kind = None if kind is str else kind
-    return {**common, "type": kind, "choices": opt.choices, "metavar": opt.metavar}
+    convert = None if kind is str else kind
+    return {**common, "type": convert, "choices": opt.choices, "metavar": opt.metavar}
 
 
 def _escaped(text: str) -> str:

@@ -3,15 +3,16 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import shlex
 
+from ddpkit.cli.flags import add_settings_arguments, given_settings
 from ddpkit.errors import ConfigError
+from ddpkit.launch.config import LaunchConfig, default_max_restarts
 from ddpkit.launch.elastic import RDZV_CONF_KEYS
-from ddpkit.launch.spec import LaunchSpec, validate_spec
-from ddpkit.runtime.signals import parse_stop_signals
+from ddpkit.launch.spec import LaunchSpec, spec_of, validate_spec
 
-ELASTIC_MAX_RESTARTS = 3
-LIVE_MAX_RESTARTS = 3
+LAUNCH = {"launch": LaunchConfig}  # the launch flags, declared once with ddpkit train's
 
 EPILOG = """examples:
   ddpkit run -n 2 train.py --epochs 3
@@ -37,22 +38,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         epilog=EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    parser.add_argument(
-        "-n",
-        "--nproc",
-        type=int,
-        required=True,
-        metavar="N",
-        help="number of processes (ranks) to start",
-    )
-    parser.add_argument(
-        "--max-restarts",
-        type=int,
-        default=None,
-        metavar="R",
-        help="restart all workers up to R times after a failure (default 0; elastic "
-        f"--nnodes MIN:MAX: {ELASTIC_MAX_RESTARTS}, one per node lost; --fault-tolerance live: "
-        f"R replacement processes, default {LIVE_MAX_RESTARTS})",
+    add_settings_arguments(
+        parser, LAUNCH, config_file=False, short={"nproc": "-n"}, required=("nproc",)
     )
     parser.add_argument(
         "--omp-num-threads",
@@ -61,8 +48,6 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         metavar="T",
         help="threads per process (default: OMP_NUM_THREADS if set, else usable cores // N)",
     )
-    add_fault_tolerance_arguments(parser)
-    _add_stop_arguments(parser)
     _add_node_arguments(parser)
     parser.add_argument(  # REMAINDER: the module's own flags (-m pkg.train --lr 0.1) are its
         "-m",
@@ -79,52 +64,6 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         help="the script and its arguments (the module's arguments with -m)",
     )
     parser.set_defaults(handler=run)
-
-
-def add_fault_tolerance_arguments(parser: argparse.ArgumentParser) -> None:
-    """``--fault-tolerance`` and ``--spares`` (see docs/fault-tolerance.md)."""
-    parser.add_argument(
-        "--fault-tolerance",
-        choices=("restart", "live"),
-        default="restart",
-        help="restart: a failed rank stops every rank (restarted with --max-restarts, resuming "
-        "the newest checkpoint); live: the others keep training and a replacement heals from "
-        "them (one node; the script trains through ddpkit.TrainStep). Default restart",
-    )
-    parser.add_argument(
-        "--spares",
-        type=int,
-        default=0,
-        metavar="S",
-        help="live: start S warm spares (torch already imported) that take over lost ranks",
-    )
-    parser.add_argument(
-        "--heartbeat-timeout",
-        type=float,
-        default=10.0,
-        metavar="SECONDS",
-        help="live: a rank whose heartbeat stops this long (SIGSTOP, a frozen host) is declared "
-        "dead and ended; its peers go on (default 10)",
-    )
-
-
-def _add_stop_arguments(parser: argparse.ArgumentParser) -> None:
-    """The stop signals and the grace period (see docs/preemption.md)."""
-    parser.add_argument(
-        "--grace-period",
-        type=int,
-        default=30,
-        metavar="SECONDS",
-        help="after a stop signal, seconds the ranks have to finish their step and save "
-        "before they are killed (torchrun's --shutdown-timeout; default 30)",
-    )
-    parser.add_argument(
-        "--stop-signals",
-        default="SIGTERM,SIGINT,SIGUSR1",
-        metavar="SIGNALS",
-        help="signals passed on to every rank, which stop after the same step when the script "
-        "uses ddpkit's runtime (default SIGTERM,SIGINT,SIGUSR1; none = only torchrun's own)",
-    )
 
 
 def _add_node_arguments(parser: argparse.ArgumentParser) -> None:
@@ -186,8 +125,9 @@ def run(args: argparse.Namespace) -> int:
 
 
 def launch_spec(args: argparse.Namespace) -> LaunchSpec:
-    """The :class:`LaunchSpec` of parsed ``ddpkit run`` flags (restarts: 0, or
-    ``ELASTIC_MAX_RESTARTS`` for ``--nnodes MIN:MAX``, unless given).
+    """The :class:`LaunchSpec` of parsed ``ddpkit run`` flags (restarts, unless given:
+    :func:`~ddpkit.launch.config.default_max_restarts`). Not yet checked (see
+    :func:`~ddpkit.launch.spec.validate_spec`).
 
     Raises:
         ConfigError: incomplete TLS flags; ``--nnodes`` not ``N`` or ``MIN:MAX``.
@@ -202,20 +142,15 @@ def launch_spec(args: argparse.Namespace) -> LaunchSpec:
             "incomplete TLS settings: give all of --tls-cert, --tls-key and --tls-ca, or none."
         )
     min_nodes, nnodes = parse_nnodes(args.nnodes)
-    max_restarts = args.max_restarts
-    live = args.fault_tolerance == "live"
-    if args.spares and not live:
-        raise ConfigError(
-            f"--spares {args.spares} without --fault-tolerance live: warm spares take over lost "
-            "ranks of a live job only. Add --fault-tolerance live, or drop --spares."
-        )
-    if max_restarts is None:
-        max_restarts = ELASTIC_MAX_RESTARTS if min_nodes < nnodes else 0
-        max_restarts = LIVE_MAX_RESTARTS if live else max_restarts
-    return LaunchSpec(
-        target=target,
-        nproc=args.nproc,
-        max_restarts=max_restarts,
+    given = given_settings(args, LAUNCH)
+    settings = LaunchConfig(**given)
+    if "max_restarts" not in given:
+        elastic = min_nodes < nnodes
+        restarts = default_max_restarts(settings.fault_tolerance, elastic=elastic)
+        settings = dataclasses.replace(settings, max_restarts=restarts)
+    return spec_of(
+        settings,
+        target,
         omp_num_threads=args.omp_num_threads,
         nnodes=nnodes,
         min_nodes=min_nodes,
@@ -225,11 +160,6 @@ def launch_spec(args: argparse.Namespace) -> LaunchSpec:
         rdzv_conf=args.rdzv_conf,
         tls=tls if all(tls) else None,
         resume_command=shlex.join(["ddpkit", *args.argv]),
-        grace_period_s=args.grace_period,
-        stop_signals=parse_stop_signals(args.stop_signals),
-        fault_tolerance=args.fault_tolerance,
-        spares=args.spares,
-        heartbeat_timeout_s=args.heartbeat_timeout,
     )
 
 

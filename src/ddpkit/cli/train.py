@@ -24,10 +24,10 @@ from typing import TYPE_CHECKING
 from ddpkit.app.mnist.config import SECTIONS, TrainConfig, check
 from ddpkit.checkpoint.lock import check_unlocked
 from ddpkit.cli.flags import add_settings_arguments, given_settings
-from ddpkit.cli.run import LIVE_MAX_RESTARTS
 from ddpkit.env import ProcessInfo, detect_process_info
-from ddpkit.errors import ConfigError, DataError
+from ddpkit.errors import ConfigError, DataError, add_note
 from ddpkit.files import make_output_folder
+from ddpkit.launch.config import default_max_restarts
 from ddpkit.monitoring.prometheus import check_endpoint
 from ddpkit.runtime.signals import parse_stop_signals
 from ddpkit.settings import field_problems, read_toml, to_toml
@@ -144,8 +144,10 @@ def _check_and_start(
         check_fresh_output(config.output_dir, resume_auto=config.resume == "auto")
     if info.is_distributed:  # torchrun -m ddpkit train, or srun -n 2
         return _train_here(config, source, worker=False)
-    if config.fault_tolerance == "live" and "max_restarts" not in given:
-        config = dataclasses.replace(config, max_restarts=LIVE_MAX_RESTARTS)
+    if "max_restarts" not in given:  # live: replacements by default
+        config = dataclasses.replace(
+            config, max_restarts=default_max_restarts(config.fault_tolerance)
+        )
     if nproc == 1 and not config.max_restarts:  # restarts are torchrun's: those go through it
         return _train_here(config, source, worker=False, argv=argv)
     if config.metrics_port is not None:  # rank 0 would find it after every rank started
@@ -157,7 +159,8 @@ def _launch(config: TrainConfig, source: DataSource, nproc: int, *, argv: list[s
     """Start ``nproc`` ranks that each read the settings resolved here (data source included)."""
     from ddpkit.app.mnist.data import RANK_MEMORY_MIB
     from ddpkit.app.mnist.resume import interrupted_note
-    from ddpkit.launch.launcher import LaunchSpec, launch
+    from ddpkit.launch.launcher import launch
+    from ddpkit.launch.spec import spec_of
 
     if source.note:
         print(source.note, flush=True)
@@ -179,19 +182,13 @@ def _launch(config: TrainConfig, source: DataSource, nproc: int, *, argv: list[s
         path = Path(folder) / "config.toml"
         path.write_text(to_toml(resolved, SECTIONS))
         target = ["-m", "ddpkit", "train", WORKER_FLAG, str(path)]
-        spec = LaunchSpec(
-            target=target,
-            nproc=nproc,
-            max_restarts=config.max_restarts,
+        spec = spec_of(
+            resolved,  # its launch settings, with nproc resolved
+            target,
             command="ddpkit train",  # failures are labelled with the command the user ran (#16)
             on_interrupt=functools.partial(interrupted_note, config.output_dir, argv),
-            grace_period_s=config.grace_period,
-            stop_signals=parse_stop_signals(config.stop_signals),
             mem_per_rank_mib=RANK_MEMORY_MIB[source.dataset],  # --nproc that cannot fit: refused
             mem_per_rank_what=f"a ddpkit train rank on {source.dataset}",
-            fault_tolerance=config.fault_tolerance,
-            spares=config.spares,
-            heartbeat_timeout_s=config.heartbeat_timeout,
             preload=("ddpkit.app.mnist.job", "ddpkit.cli.train"),
         )
         if config.fault_tolerance == "live":
@@ -252,7 +249,7 @@ def _train_here(
             refused = isinstance(exc, (ConfigError, DataError))  # a resume would fail alike
             note = "" if refused else resume_note(config.output_dir, argv or [])
             if note and not worker and runtime.is_rank_zero:
-                exc.add_note(note)  # `ddpkit train: error: ...; <note>`, or under a traceback
+                add_note(exc, note)  # `ddpkit train: error: ...; <note>`, or under a traceback
             raise
     return 0
 

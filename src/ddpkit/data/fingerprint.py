@@ -33,7 +33,8 @@ list of 1.28M ``targets``). Once per loader build, never per step.
 from __future__ import annotations
 
 import hashlib
-from typing import Any
+from collections.abc import Sized
+from typing import Any, cast
 
 import numpy as np
 import torch
@@ -90,7 +91,8 @@ def _sampled(values: Any) -> bytes | None:
 
 def _chain(dataset: Dataset) -> list[Dataset]:
     """``dataset`` and every dataset it wraps (``Subset.dataset``, ``ConcatDataset.datasets``)."""
-    found, todo = [], [dataset]
+    found: list[Dataset] = []
+    todo = [dataset]
     while todo and len(found) < 64:
         current = todo.pop(0)
         found.append(current)
@@ -134,7 +136,9 @@ def dataset_fingerprint(dataset: Dataset) -> dict[str, str]:
     """
     if isinstance(dataset, IterableDataset):
         return {"length": str(stream_length(dataset))}
-    return {"length": str(len(dataset)), **_structure(_chain(dataset))}
+    # A map-style dataset: len() raises its own TypeError where it has no __len__.
+    length = len(cast(Sized, dataset))
+    return {"length": str(length), **_structure(_chain(dataset))}
 
 
 def describe(dataset: Dataset) -> str:

@@ -13,13 +13,14 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
-from torch.utils.data import DataLoader, DistributedSampler
+from torch.utils.data import DataLoader
 
 from ddpkit.data.seeding import (
     main_process_batch_seed,
     main_process_data_rng,
     worker_base_seed,
 )
+from ddpkit.data.shards import ResumableDistributedSampler
 from ddpkit.data.streams import ShardedStream, stream_batches_per_rank, stream_length
 from ddpkit.errors import ConfigError
 from ddpkit.log import get_logger
@@ -93,7 +94,8 @@ class ShardedLoader:
 
     Attributes:
         loader: the wrapped ``torch.utils.data.DataLoader``.
-        sampler: its ``DistributedSampler`` (``None`` for a stream).
+        sampler: its :class:`~ddpkit.data.shards.ResumableDistributedSampler` (``None`` for a
+            stream).
         stream: the :class:`~ddpkit.data.streams.ShardedStream` (``None`` for a
             map-style dataset).
         epoch: the epoch the next pass will use.
@@ -108,7 +110,7 @@ class ShardedLoader:
     def __init__(
         self,
         loader: DataLoader,
-        sampler: DistributedSampler | None,
+        sampler: ResumableDistributedSampler | None,
         *,
         seed: int,
         rank: int,
@@ -145,7 +147,7 @@ class ShardedLoader:
                 "rank x worker slot and cannot be dealt to another number of ranks. Use a "
                 "map-style dataset (__len__ and __getitem__)."
             )
-        self.sampler.reshard(num_replicas=world_size, rank=rank)  # type: ignore[attr-defined]
+        self.sampler.reshard(num_replicas=world_size, rank=rank)
         self.rank = rank
         self.rank_batch_sizes = [self.loader.batch_size or 1] * world_size
         self.rank_num_batches = [self.full_pass_batches() or 0] * world_size
@@ -185,6 +187,7 @@ class ShardedLoader:
         if full is None:
             if self.max_batches:
                 return self.max_batches
+            assert self.stream is not None  # only a stream has no length
             raise TypeError(
                 f"len(ShardedLoader): the stream {type(self.stream.source).__name__} has no "
                 "__len__, so its batches per pass are known only when the pass ends. Give it a "
@@ -211,7 +214,10 @@ class ShardedLoader:
 
     @property
     def _world_size(self) -> int:
-        return self.sampler.num_replicas if self.sampler is not None else self.stream.world_size
+        if self.sampler is not None:
+            return self.sampler.num_replicas
+        assert self.stream is not None  # a loader has a sampler or a stream
+        return self.stream.world_size
 
     def _plan(self, epoch: int) -> _Pass:
         """The geometry of the next pass (``epoch``), from the loaded position if any."""
@@ -330,6 +336,7 @@ class ShardedLoader:
                 f"kept a global cursor) is of world_size {saved_size}. Resume it on "
                 f"{saved_size} ranks."
             )
+        assert self.sampler is not None  # load_state_dict reads a map-style position only here
         return batches * (self.loader.batch_size or 1) * self._world_size, self.sampler.total_size
 
     def _sampler_signature(self) -> str | None:
@@ -362,6 +369,7 @@ class ShardedLoader:
             fresh = plan.start == 0 and plan.end == self.sampler.total_size
             self.sampler.span = None if fresh else (plan.start, plan.end)
         else:
+            assert self.stream is not None  # a loader has a sampler or a stream
             self.stream.begin_pass(epoch, plan.first)
         self.loader.generator.manual_seed(worker_base_seed(self.seed, self.rank, epoch))
         self.epoch, self._resume_at, self._pass = epoch + 1, None, plan
@@ -414,7 +422,7 @@ class ShardedLoader:
                 f"of {min(sizes)} weighs {max(sizes) / min(sizes):.3g}x one in a batch of "
                 f"{max(sizes)} (ddpkit.GradientAccumulator weighs every sample equally)"
             )
-        if uneven:
+        if uneven and counts is not None:  # uneven implies counts
             parts.append(
                 "the batches per pass differ ("
                 + ", ".join(f"rank {r} {c}" for r, c in enumerate(counts))

@@ -134,8 +134,9 @@ def build_train_loader(
             dataset's fingerprint differs (naming what differs and which ranks).
 
     Example:
-        >>> loader = build_train_loader(train_set, rt, batch_size=64, seed=0,  # doctest: +SKIP
-        ...                             num_workers=2)
+        >>> loader = build_train_loader(train_set, rt, batch_size=4, seed=0, num_workers=2)
+        >>> len(loader)  # batches per rank: 32 samples over 2 ranks
+        4
     """
     loader_kwargs = dict(loader_kwargs)
 
@@ -275,7 +276,7 @@ def _train_sampler(
     drop_last: bool,
     weighted: WeightedRandomSampler | None,
 ) -> ResumableDistributedSampler:
-    shard = {
+    shard: dict[str, Any] = {
         "num_replicas": runtime.world_size,
         "rank": runtime.rank,
         "seed": seed,
@@ -361,7 +362,7 @@ def build_eval_loader(
         raise error
     assert loader is not None
     counts = [row["batches"] for row in table]
-    loader.rank_num_batches = counts  # type: ignore[attr-defined]
+    loader.rank_num_batches = counts
     if runtime.live is not None:
         _follow_quorums(loader, runtime)
     if runtime.watchdog is not None:  # a deadlock in a DDP forward names uneven eval shards
@@ -384,7 +385,7 @@ def _follow_quorums(loader: DataLoader, runtime: Runtime) -> None:
         size = runtime.world_size
         sampler.reshard(world_size=size, rank=runtime.rank)
         batch = loader.batch_size or 1
-        loader.rank_num_batches = [  # type: ignore[attr-defined]
+        loader.rank_num_batches = [
             -(
                 -len(UnpaddedDistributedSampler(sampler.dataset_len, world_size=size, rank=r))
                 // batch
@@ -418,6 +419,7 @@ def _build_eval_local(
         )
         return DataLoader(stream, batch_size=batch_size, **loader_kwargs)
     length = _length(dataset)
+    assert length is not None  # None only for a stream, handled above
     if length == 0:
         raise ConfigError("empty evaluation dataset: len(dataset)=0. Check the data path.")
     sampler = UnpaddedDistributedSampler(length, world_size=runtime.world_size, rank=runtime.rank)

@@ -22,9 +22,18 @@ import contextlib
 import hashlib
 import random
 from collections.abc import Iterator
+from typing import Any, TypeAlias
 
 import numpy as np
 import torch
+from numpy.random import mtrand
+from numpy.typing import NDArray
+
+# What the legacy global numpy generator is put back from: its bit generator (numpy >= 1.25) or
+# its state as ``np.random.get_state()`` returns it.
+_NumpySaved: TypeAlias = (
+    "np.random.BitGenerator | dict[str, Any] | tuple[str, NDArray[np.uint32], int, int, float]"
+)
 
 
 def derive_seed(*parts: object) -> int:
@@ -71,18 +80,19 @@ def main_process_data_rng(seed: int) -> Iterator[None]:
         _restore_numpy(saved_numpy)
 
 
-def _swap_numpy(bit_generator: np.random.BitGenerator) -> object:
-    if hasattr(np.random, "set_bit_generator"):  # numpy >= 1.25
-        saved = np.random.get_bit_generator()
-        np.random.set_bit_generator(bit_generator)
+def _swap_numpy(bit_generator: np.random.BitGenerator) -> _NumpySaved:
+    # mtrand: numpy.random's stubs leave (get|set)_bit_generator out of its __all__.
+    if hasattr(mtrand, "set_bit_generator"):  # numpy >= 1.25
+        saved = mtrand.get_bit_generator()
+        mtrand.set_bit_generator(bit_generator)
         return saved
     saved_state = np.random.get_state()
     np.random.seed(bit_generator.random_raw() & 0xFFFFFFFF)
     return saved_state
 
 
-def _restore_numpy(saved: object) -> None:
+def _restore_numpy(saved: _NumpySaved) -> None:
     if isinstance(saved, np.random.BitGenerator):
-        np.random.set_bit_generator(saved)
+        mtrand.set_bit_generator(saved)
     else:
         np.random.set_state(saved)

@@ -89,7 +89,7 @@ class ResumableDistributedSampler(DistributedSampler):
     def epoch_order(self) -> list[int]:
         """The epoch's permutation of every index, unpadded: torch's own, drawn by a one-replica
         ``DistributedSampler`` with this sampler's seed, shuffle and epoch."""
-        whole = DistributedSampler(
+        whole: DistributedSampler[int] = DistributedSampler(
             self.dataset, num_replicas=1, rank=0, shuffle=self.shuffle, seed=self.seed
         )
         whole.set_epoch(self.epoch)

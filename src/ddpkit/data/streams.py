@@ -61,8 +61,9 @@ class ShardedStream(IterableDataset):
     def begin_pass(self, epoch: int, skip_batches: int) -> None:
         """Set the pass's epoch (forwarded to ``source.set_epoch`` if it exists) and how many of
         this rank's batches a resumed pass skips."""
-        if callable(getattr(self.source, "set_epoch", None)):
-            self.source.set_epoch(epoch)
+        set_epoch = getattr(self.source, "set_epoch", None)
+        if callable(set_epoch):
+            set_epoch(epoch)
         self.skip_batches = skip_batches
 
     def __iter__(self) -> Iterator[Any]:

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import hashlib
 from collections.abc import Iterator
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch.utils.data import WeightedRandomSampler
@@ -64,9 +64,14 @@ class WeightedDistributedSampler(ResumableDistributedSampler):
         generator = torch.Generator()
         generator.manual_seed(self.seed + self.epoch)
         draw = torch.multinomial(
-            self.weights, len(self.dataset), self.replacement, generator=generator
+            self.weights, self._num_draws, self.replacement, generator=generator
         )
         return draw.tolist()
+
+    @property
+    def _num_draws(self) -> int:
+        # __init__ made the dataset range(num_samples): the positions of one draw.
+        return len(cast(range, self.dataset))
 
     def __iter__(self) -> Iterator[int]:
         if self.span is None:
@@ -78,7 +83,7 @@ class WeightedDistributedSampler(ResumableDistributedSampler):
         (hashed), ``num_samples``, replacement."""
         data = self.weights.detach().cpu().numpy().tobytes()
         digest = hashlib.blake2b(data, digest_size=8).hexdigest()
-        return f"weights {digest}, num_samples={len(self.dataset)}, replacement={self.replacement}"
+        return f"weights {digest}, num_samples={self._num_draws}, replacement={self.replacement}"
 
 
 _INSTEAD = {

@@ -68,7 +68,8 @@ def tensor_bytes(obj: Any) -> int:
 def _chain(exc: BaseException) -> Iterator[BaseException]:
     """``exc``, its causes and contexts, and the per-rank errors of a
     ``torch.distributed.checkpoint`` ``CheckpointException`` (its ``failures``)."""
-    stack, seen = [exc], set()
+    stack: list[BaseException | None] = [exc]
+    seen: set[int] = set()
     while stack:
         item = stack.pop()
         if item is None or id(item) in seen:
@@ -117,10 +118,9 @@ def disk_full_error(
     code = write_failure(exc)
     if code is None:
         return None
-    try:
+    usage = stat = None
+    with contextlib.suppress(OSError):
         usage, stat = shutil.disk_usage(directory), os.statvfs(directory)
-    except OSError:
-        usage = stat = None
     if code == 0 and (usage is None or usage.free >= max(need_bytes or 0, MIN_FREE_BYTES)):
         return None  # torch's write failed, but not for lack of room
     where = os.path.abspath(directory)

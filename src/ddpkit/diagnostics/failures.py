@@ -122,12 +122,13 @@ def _collective(exc: BaseException) -> str:
     from ddpkit.watchdog.position import collective_in_traceback
 
     seen: set[int] = set()
-    while exc is not None and id(exc) not in seen:  # a translated error: look at its cause too
-        seen.add(id(exc))
-        found = collective_in_traceback(exc)
+    current: BaseException | None = exc
+    while current is not None and id(current) not in seen:  # a translated error: its cause too
+        seen.add(id(current))
+        found = collective_in_traceback(current)
         if found:
             return found
-        exc = exc.__cause__ or exc.__context__
+        current = current.__cause__ or current.__context__
     return ""
 
 

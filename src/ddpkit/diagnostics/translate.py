@@ -13,7 +13,7 @@ import re
 
 import torch
 
-from ddpkit.errors import ConfigError, DiskFullError
+from ddpkit.errors import ConfigError, DiskFullError, add_note
 
 # (text found in the exception message, or a pattern whose groups fill {0}..; the explanation
 # and fix)
@@ -151,18 +151,19 @@ def explain(exc: BaseException) -> str | None:
         'torch.distributed was used befor'
     """
     seen: set[int] = set()
-    while exc is not None and id(exc) not in seen:
-        if isinstance(exc, DiskFullError):  # it names the disk and the fix itself
+    current: BaseException | None = exc
+    while current is not None and id(current) not in seen:
+        if isinstance(current, DiskFullError):  # it names the disk and the fix itself
             return None
-        seen.add(id(exc))
-        text = str(exc)
+        seen.add(id(current))
+        text = str(current)
         for needle, explanation in _KNOWN:
             if isinstance(needle, str) and needle in text:
                 return explanation
             match = needle.search(text) if isinstance(needle, re.Pattern) else None
             if match:
                 return explanation.format(*match.groups())
-        exc = exc.__cause__ or exc.__context__
+        current = current.__cause__ or current.__context__
     return None
 
 
@@ -178,7 +179,7 @@ def add_hint_note(exc: BaseException) -> None:
     hint = explain(exc)
     notes = getattr(exc, "__notes__", [])
     if hint and not any(note.startswith(HINT_PREFIX) for note in notes):
-        exc.add_note(HINT_PREFIX + hint)
+        add_note(exc, HINT_PREFIX + hint)
 
 
 def check_start_method(start_method: str) -> None:

@@ -33,6 +33,7 @@ from __future__ import annotations
 import functools
 import sys
 import weakref
+from types import FrameType
 from typing import Any
 
 import torch
@@ -42,12 +43,25 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from ddpkit.guards.replicas import ReplicaDivergenceError, differing_from_rank_zero
 from ddpkit.log import get_logger
-from ddpkit.parallel.local_sgd import is_local_sgd_model
 from ddpkit.runtime.process_group import Runtime
 
 _MAX_NAMES = 6
 _CHECKS: list[GradSyncCheck] = []  # attached checks (each holds its model weakly)
 _HOOK: list[Any] = []  # the one global pre-hook's handle while any check is attached
+# DDP models whose gradients stay local by design (ddpkit's local SGD holds no_sync() open);
+# weak: a dropped model is freed
+_LOCAL_GRADIENTS: weakref.WeakSet[nn.Module] = weakref.WeakSet()
+
+
+def mark_gradients_local(model: nn.Module) -> None:
+    """Record that ``model``'s gradients are not all-reduced on purpose (local SGD): its checks
+    stop comparing them. Not a collective."""
+    _LOCAL_GRADIENTS.add(model)
+
+
+def gradients_local(model: nn.Module) -> bool:
+    """True once :func:`mark_gradients_local` was called for ``model``."""
+    return model in _LOCAL_GRADIENTS
 
 
 class GradSyncError(ReplicaDivergenceError):
@@ -74,7 +88,7 @@ class GradSyncCheck:
             rank 1 differs in conv1.weight, ... The all-reduce did not run ...``.
 
     Example:
-        >>> check = GradSyncCheck(ddp_model, runtime, num_steps=3).attach()  # doctest: +SKIP
+        >>> check = GradSyncCheck(ddp_model, runtime, num_steps=3).attach()
     """
 
     def __init__(
@@ -119,7 +133,7 @@ class GradSyncCheck:
         Collective when ``optimizer`` trains the model (every rank steps it); else nothing.
         """
         model = self._model()
-        if model is None or is_local_sgd_model(model):
+        if model is None or gradients_local(model):
             self.detach()  # gone, or gradients local by design (ddpkit's local SGD)
             return
         held = {id(p) for group in optimizer.param_groups for p in group["params"]}
@@ -171,7 +185,8 @@ def _nested_step() -> bool:
     """True inside a step that another optimizer's step called (two step wrappers on the
     stack), e.g. ``ZeroRedundancyOptimizer``'s local optimizer."""
     code = _step_wrapper_code()
-    frame, depth = sys._getframe(1), 0
+    frame: FrameType | None = sys._getframe(1)
+    depth = 0
     while frame is not None:
         depth += frame.f_code is code
         frame = frame.f_back
@@ -193,4 +208,5 @@ def attach_grad_sync_check(
     is a process group; return it (``None`` otherwise)."""
     if num_steps <= 0 or runtime.process_group is None:
         return None
+    assert isinstance(model, DistributedDataParallel)  # only DDP strategies attach the check
     return GradSyncCheck(model, runtime, num_steps=num_steps, context=context).attach()

@@ -12,9 +12,9 @@ from torch import nn
 
 from ddpkit.errors import DistributedError
 from ddpkit.guards.replicas import ReplicaDivergenceError, check_replicas
-from ddpkit.parallel.fsdp import local_tensor
 from ddpkit.runtime.collectives import gather_per_rank
 from ddpkit.runtime.process_group import Runtime
+from ddpkit.wrappers import local_tensor
 
 __all__ = ["NonFiniteError", "NonFiniteGuard", "ReplicaDivergenceError", "check_replicas"]
 
@@ -26,17 +26,20 @@ class NonFiniteError(DistributedError):
 
 
 def _local_nonfinite(loss: torch.Tensor, model: nn.Module) -> int:
-    """2: the loss is non-finite; 1: only gradients are; 0: all finite."""
-    if not bool(torch.isfinite(loss.detach()).all()):
-        return 2
-    # local_tensor: this rank's FSDP shard; a DTensor reduction would be a collective, and
-    # any() stops at different parameters on different ranks
-    return int(
-        any(
-            p.grad is not None and not bool(torch.isfinite(local_tensor(p.grad)).all())
-            for p in model.parameters()
-        )
-    )
+    """2: the loss is non-finite; 1: only gradients are; 0: all finite.
+
+    The flags are formed on the device and read once (one device-to-host sync per check, not
+    one per parameter).
+    """
+    loss_bad = ~torch.isfinite(loss.detach()).all()
+    # local_tensor: this rank's FSDP shard; a DTensor reduction would be a collective
+    flags = [
+        ~torch.isfinite(local_tensor(p.grad)).all().to(loss_bad.device)
+        for p in model.parameters()
+        if p.grad is not None
+    ]
+    grads_bad = torch.stack(flags).any() if flags else torch.zeros_like(loss_bad)
+    return int(torch.where(loss_bad, 2, grads_bad.long()))  # the check's one read
 
 
 class NonFiniteGuard:

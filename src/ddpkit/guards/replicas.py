@@ -32,9 +32,8 @@ from torch.nn.parallel import DistributedDataParallel
 
 from ddpkit.errors import DistributedError
 from ddpkit.log import get_logger
-from ddpkit.parallel.fsdp import is_fsdp
-from ddpkit.parallel.wrap import is_compiled
 from ddpkit.runtime.process_group import Runtime
+from ddpkit.wrappers import is_compiled, is_fsdp
 
 _BLOCK = 4096  # words per row of the position-weighted sums
 
@@ -144,7 +143,9 @@ def _ddp_layer(model: nn.Module) -> DistributedDataParallel | None:
     while not isinstance(model, DistributedDataParallel):
         if not is_compiled(model):
             return None
-        model = model._orig_mod
+        inner = model._orig_mod
+        assert isinstance(inner, nn.Module)  # torch.compile wraps a module
+        model = inner
     return model
 
 
@@ -161,7 +162,7 @@ def synced_buffers(model: nn.Module) -> set[int]:
     # torch 2.13 calls the switch forward_sync_buffers; broadcast_buffers (its old name) remains
     if not getattr(layer, "forward_sync_buffers", getattr(layer, "broadcast_buffers", True)):
         return set()
-    ignored = getattr(layer, "parameters_to_ignore", set())
+    ignored: set[str] = getattr(layer, "parameters_to_ignore", set())
     return {id(b) for name, b in layer.module.named_buffers() if name not in ignored}
 
 
@@ -230,7 +231,7 @@ def check_replicas(model: nn.Module, runtime: Runtime, *, step: int) -> None:
 
     Example:
         >>> if step % 100 == 0:
-        ...     check_replicas(model, rt, step=step)                # doctest: +SKIP
+        ...     check_replicas(model, rt, step=step)  # raises on every rank if they differ
     """
     if runtime.process_group is None:
         return

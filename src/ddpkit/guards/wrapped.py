@@ -36,12 +36,14 @@ from __future__ import annotations
 import hashlib
 import sys
 import weakref
+from types import FrameType
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
 from torch.nn.modules import module as torch_module
+from torch.nn.parallel import DistributedDataParallel
 
 from ddpkit.errors import DistributedError
 from ddpkit.log import get_logger
@@ -101,7 +103,7 @@ def verify_same_parameters(model: nn.Module, runtime: Runtime) -> None:
             ... that rank 0 does not ...``.
 
     Example:
-        >>> verify_same_parameters(model, runtime)  # before DDP(model)  # doctest: +SKIP
+        >>> verify_same_parameters(net, runtime)  # before DistributedDataParallel(net)
     """
     if runtime.process_group is None:
         return
@@ -179,17 +181,18 @@ class WrapGuard:
         WrappedModelError: see the module docstring for each case.
 
     Example:
-        >>> guard = WrapGuard(DistributedDataParallel(net), runtime).attach()  # doctest: +SKIP
+        >>> ddp_model = DistributedDataParallel(net)  # held by you: the guard holds it weakly
+        >>> guard = WrapGuard(ddp_model, runtime).attach()
     """
 
-    def __init__(self, ddp_model: nn.Module, runtime: Runtime) -> None:
+    def __init__(self, ddp_model: DistributedDataParallel, runtime: Runtime) -> None:
         # Only the wrapper's pre-hook holds the guard, and the guard holds the wrapper weakly:
         # the parameters' hooks (which the garbage collector does not traverse) must not keep
         # the wrapper, and through it the process group, alive.
         self._ddp_model = weakref.ref(ddp_model)
-        self.module = ddp_model.module
+        self.module: nn.Module = ddp_model.module
         self.prefix = f"[rank {runtime.rank}/{runtime.world_size}] "
-        named = list(ddp_model.module.named_parameters())
+        named = list(self.module.named_parameters())
         self.names = [name for name, _ in named]
         self.params = [param for _, param in named]
         self.requires_grad = [param.requires_grad for param in self.params]
@@ -345,7 +348,7 @@ def _in_reentrant_checkpoint() -> bool:
     from torch.utils.checkpoint import CheckpointFunction
 
     target = CheckpointFunction.backward.__code__
-    frame = sys._getframe(1)
+    frame: FrameType | None = sys._getframe(1)
     while frame is not None:
         if frame.f_code is target:
             return True

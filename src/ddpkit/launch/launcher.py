@@ -27,6 +27,7 @@ import tempfile
 import threading
 import time
 import uuid
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -260,7 +261,7 @@ def _preflight(spec: LaunchSpec) -> NetworkPlan:
     return plan
 
 
-def _kept_after_failure(spec: LaunchSpec, run_dir: str, records: list[Any] = ()) -> str:
+def _kept_after_failure(spec: LaunchSpec, run_dir: str, records: Sequence[Any] = ()) -> str:
     """The failure line's end: the newest complete checkpoint and how to resume from it;
     nothing when the first failure is a refused setting or file (the resume would fail too)."""
     if records and records[0].type in ("ConfigError", "DataError"):

@@ -55,6 +55,7 @@ def plan_network(spec: LaunchSpec) -> NetworkPlan:
     """
     if spec.nnodes == 1:
         return NetworkPlan("127.0.0.1", "127.0.0.1", 0, "127.0.0.1", "lo")
+    assert spec.rdzv_endpoint is not None  # validate_spec: several nodes need an endpoint
     host, _, port = spec.rdzv_endpoint.rpartition(":")
     address = check_store_address(host, multi_node=True)
     if spec.node_rank == 0 and interface_of(address) is None:

@@ -193,13 +193,14 @@ def sigkill_hint(watch: OomWatch, rank: int, pid: int, *, nproc: int, command: s
 
     Example:
         >>> watch = OomWatch.start()  # when the job starts
-        >>> sigkill_hint(watch, 1, 4242, nproc=2, command="ddpkit run")  # doctest: +SKIP
-        "the kernel's out-of-memory killer ended rank 1 (pid 4242); kernel log: 'Out of ..."
+        >>> sigkill_hint(watch, 1, 4242, nproc=2, command="ddpkit run")  # nothing OOM-killed
+        "not the kernel's out-of-memory killer (...): something else sent SIGKILL to rank 1 ..."
     """
     kernel = kernel_kill_lines(pid, watch.start_s) if pid else None
     verdict = _verdict(watch, rank, pid, kernel)
     if not verdict:
         path = watch.decisive
+        assert path is not None  # _verdict says "" only when the decisive counter did not move
         scope = "this machine" if path == VMSTAT else "the launcher's cgroup"
         return (
             f"not the kernel's out-of-memory killer (oom_kill in {path}, which counts every "
@@ -224,8 +225,8 @@ def _memory(kernel: tuple[str, str] | None) -> str:
         folders = [CGROUP_ROOT / sub / found[1].lstrip("/") for sub in ("memory", "unified", "")]
     else:
         folders = memory_cgroups()
-    limits = [(folder, cgroup_limit(folder)) for folder in folders if folder.exists()]
-    limits = [(folder, limit) for folder, limit in limits if limit is not None]
+    read = [(folder, cgroup_limit(folder)) for folder in folders if folder.exists()]
+    limits = [(folder, limit) for folder, limit in read if limit is not None]
     total = machine_memory()
     where = [f"{format_bytes(total)} on this machine"] if total else []
     where += [f"a {format_bytes(limit)} limit on cgroup {folder}" for folder, limit in limits[:1]]

@@ -38,7 +38,7 @@ import time
 import traceback
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import ddpkit
 from ddpkit.runtime.hashseed import HASH_SEED_ENV, job_hash_seed
@@ -199,13 +199,18 @@ def run_distributed(
     from ddpkit.diagnostics.translate import check_start_method
 
     check_start_method(start_method)
-    ctx = mp.get_context(start_method)
+    # A checked name: one of these three contexts (typeshed types get_context(str) as their
+    # base class, which has no Process).
+    ctx = cast(
+        "mp.context.ForkServerContext | mp.context.SpawnContext | mp.context.ForkContext",
+        mp.get_context(start_method),
+    )
     forked = start_method == "forkserver"
     if forked:
         _ensure_forkserver()
     workdir = tempfile.mkdtemp(prefix="ddpkit-test-")
     state = (dict(os.environ), os.getcwd()) if forked else (None, None)
-    procs = [
+    procs: list[mp.process.BaseProcess] = [
         ctx.Process(
             target=_worker,
             args=(

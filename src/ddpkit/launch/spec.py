@@ -9,13 +9,18 @@ import signal
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 from ddpkit.errors import ConfigError
+from ddpkit.launch.config import LaunchConfig, launch_rules
 from ddpkit.launch.elastic import node_problems
 from ddpkit.launch.resources import BARE_RANK_MIB
-from ddpkit.runtime.signals import DEFAULT_STOP_SIGNALS
+from ddpkit.runtime.signals import DEFAULT_STOP_SIGNALS, parse_stop_signals
+from ddpkit.settings import field_problems
 
-__all__ = ["LaunchSpec", "validate_spec"]
+__all__ = ["LaunchSpec", "settings_of", "spec_of", "validate_spec"]
+
+_DEFAULTS = LaunchConfig()
 
 
 @dataclass(frozen=True)
@@ -70,7 +75,7 @@ class LaunchSpec:
 
     target: list[str]
     nproc: int
-    max_restarts: int = 0
+    max_restarts: int = _DEFAULTS.max_restarts
     omp_num_threads: int | None = None
     nnodes: int = 1
     min_nodes: int | None = None
@@ -82,13 +87,13 @@ class LaunchSpec:
     command: str = "ddpkit run"
     on_interrupt: Callable[..., str] | None = None
     resume_command: str | None = None
-    grace_period_s: int = 30
-    stop_signals: tuple[signal.Signals, ...] = DEFAULT_STOP_SIGNALS
+    grace_period_s: int = _DEFAULTS.grace_period
+    stop_signals: tuple[signal.Signals, ...] = DEFAULT_STOP_SIGNALS  # LaunchConfig's default
     mem_per_rank_mib: float = BARE_RANK_MIB
     mem_per_rank_what: str = "a bare torch + gloo rank"
-    fault_tolerance: str = "restart"
-    spares: int = 0
-    heartbeat_timeout_s: float = 10.0
+    fault_tolerance: str = _DEFAULTS.fault_tolerance
+    spares: int = _DEFAULTS.spares
+    heartbeat_timeout_s: float = _DEFAULTS.heartbeat_timeout
     preload: tuple[str, ...] = ()
 
     @property
@@ -105,6 +110,35 @@ class LaunchSpec:
     def nnodes_arg(self) -> str:
         """torchrun's ``--nnodes`` value: ``"N"``, or ``"MIN:MAX"`` when elastic."""
         return f"{self.min_nodes}:{self.nnodes}" if self.elastic else str(self.nnodes)
+
+
+def spec_of(settings: LaunchConfig, target: list[str], **details: Any) -> LaunchSpec:
+    """The :class:`LaunchSpec` that starts ``target`` with ``settings`` (``nproc`` set) and
+    ``details``, the other fields (``command="ddpkit train"``, ``nnodes=2``, ...)."""
+    return LaunchSpec(
+        target=target,
+        nproc=settings.nproc if settings.nproc is not None else 0,  # 0: refused by validate_spec
+        max_restarts=settings.max_restarts,
+        grace_period_s=settings.grace_period,
+        stop_signals=parse_stop_signals(settings.stop_signals),
+        fault_tolerance=settings.fault_tolerance,
+        spares=settings.spares,
+        heartbeat_timeout_s=settings.heartbeat_timeout,
+        **details,
+    )
+
+
+def settings_of(spec: LaunchSpec) -> LaunchConfig:
+    """The launch settings of ``spec`` (the inverse of :func:`spec_of`), to check them."""
+    return LaunchConfig(
+        nproc=spec.nproc,
+        max_restarts=spec.max_restarts,
+        grace_period=spec.grace_period_s,
+        stop_signals=",".join(s.name for s in spec.stop_signals) or "none",
+        fault_tolerance=spec.fault_tolerance,
+        spares=spec.spares,
+        heartbeat_timeout=spec.heartbeat_timeout_s,
+    )
 
 
 def _find_module(name: str) -> object | None:
@@ -127,17 +161,14 @@ def validate_spec(spec: LaunchSpec) -> None:
     """Check a whole :class:`LaunchSpec` at once; one error lists every problem.
 
     Raises:
-        ConfigError: nproc or max_restarts out of range, a missing script, an empty target.
+        ConfigError: a launch setting out of its range (the checks of
+            :class:`~ddpkit.launch.config.LaunchConfig` and
+            :func:`~ddpkit.launch.config.launch_rules`), a bad node layout, a missing script, an
+            empty target.
     """
-    problems = []
-    if isinstance(spec.nproc, bool) or not isinstance(spec.nproc, int) or spec.nproc < 1:
-        problems.append(f"nproc={spec.nproc!r} must be an integer >= 1")
-    if spec.max_restarts < 0:
-        problems.append(f"max_restarts={spec.max_restarts} must be >= 0")
-    if isinstance(spec.grace_period_s, bool) or not isinstance(spec.grace_period_s, int):
-        problems.append(f"grace_period={spec.grace_period_s!r} must be a whole number of seconds")
-    elif spec.grace_period_s < 1:
-        problems.append(f"grace_period={spec.grace_period_s} must be >= 1 (seconds)")
+    settings = settings_of(spec)
+    problems = field_problems(settings)
+    problems += launch_rules(settings) if not problems else []
     if spec.omp_num_threads is not None and spec.omp_num_threads < 1:
         problems.append(f"omp_num_threads={spec.omp_num_threads} must be >= 1")
     problems += node_problems(spec)

@@ -52,7 +52,8 @@ def collect_votes(
     names = {m: key("vote", quorum.number, seq, m) for m in quorum.members}
     votes: dict[str, Vote | None] = {me: mine}
     pending = [m for m in quorum.members if m != me]
-    start, pause, reported = time.monotonic(), 0.0005, set()
+    start, pause = time.monotonic(), 0.0005
+    reported: set[str] = set()
     while pending:
         if store.check([names[m] for m in pending]):
             texts = store.multi_get([names[m] for m in pending])

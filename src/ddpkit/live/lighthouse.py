@@ -123,10 +123,10 @@ class Lighthouse:
 
     def stop_job(self, signal_name: str) -> None:
         """Ask every member to stop at the next operation, together (a stop signal)."""
-        self._set_status(stop=signal_name)
+        self._set_status(dataclasses.replace(self.status, stop=signal_name))
 
-    def _set_status(self, **changes: object) -> None:
-        status = dataclasses.replace(self.status, **changes)
+    def _set_status(self, status: Status) -> None:
+        """Publish ``status`` to the members if it differs from the current one."""
         if status != self.status:
             self.status = status
             self.store.set(key("status"), status.encode())
@@ -164,7 +164,9 @@ class Lighthouse:
             and self._usable(r)
             and self.store.check([key("ready", r)])
         ]
-        self._set_status(waiting=len([r for r in ready if r not in members]))
+        self._set_status(
+            dataclasses.replace(self.status, waiting=len([r for r in ready if r not in members]))
+        )
         admit = self.store.check([key("admit", self.quorum.number)])
         gone = [m for m in members if not self._usable(m)]
         failed = self._failed_without_death(now, gone)
@@ -214,7 +216,9 @@ class Lighthouse:
         self._failed_seen_at = None
         self._reasons, self._loud = [], False
         waiting = self.status.waiting - len(quorum.joiners)
-        self._set_status(latest=quorum.number, waiting=max(waiting, 0))
+        self._set_status(
+            dataclasses.replace(self.status, latest=quorum.number, waiting=max(waiting, 0))
+        )
 
     def declare_dead(self, replica: str, why: str, *, quiet: bool = False) -> Event:
         """Record ``replica`` as dead (its peers stop waiting for it; it may never rejoin);

@@ -40,6 +40,7 @@ from dataclasses import asdict, dataclass, field
 from ddpkit.errors import DistributedError
 
 PREFIX = "live/"
+MODES = ("restart", "live")  # fault tolerance: torchrun's restarts, or live (this package)
 HEARTBEAT_S = 0.5  # a worker's heartbeat period
 DEAD = "DEAD"  # the tombstone a peer writes into a dead member's missing vote
 

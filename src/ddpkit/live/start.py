@@ -11,11 +11,10 @@ import torch.distributed as dist
 from ddpkit.env import ProcessInfo
 from ddpkit.errors import ConfigError, DistributedError
 from ddpkit.live.membership import LiveMembership
-from ddpkit.live.protocol import REPLICA_ENV, SLOT_ENV, STORE_ENV
+from ddpkit.live.protocol import MODES, REPLICA_ENV, SLOT_ENV, STORE_ENV
 
 MODE_ENV = "DDPKIT_FAULT_TOLERANCE"  # set by ddpkit run --fault-tolerance
 ROLE_ENV = "DDPKIT_LIVE_ROLE"  # "initial" (the first quorum) or "replacement" (healed later)
-MODES = ("restart", "live")
 
 
 def wants_live(mode: str | None) -> bool:

@@ -18,7 +18,7 @@ Non-finite numbers never raise: metrics go as they are (MLflow's SQL store keeps
 ``"inf"``, ``"-inf"`` (W&B would turn a summary NaN into null; the JSON stays strict).
 
 Example:
-    >>> trackers = open_trackers(["mlflow"], out, run_name="a", config=cfg)  # doctest: +SKIP
+    >>> trackers = open_trackers(["mlflow"], out, run_name="a", config=cfg)
     >>> trackers.log_metrics({"train_loss": 0.41, "test_accuracy": 0.97}, step=1)
     >>> trackers.log_summary({"test_accuracy": 0.97, "wall_s": 63.2})
     >>> trackers.close()
@@ -36,7 +36,7 @@ import re
 import time
 from collections.abc import Iterator, Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal, cast
 
 from ddpkit.errors import ConfigError
 
@@ -139,7 +139,12 @@ class _WandbRun:
     def __init__(self, output_dir: Path, run_name: str, config: Mapping) -> None:
         import wandb
 
-        mode = os.environ.get("WANDB_MODE", "offline")
+        # Any string: wandb.Settings validates it first (an unknown mode raises there, naming
+        # the allowed ones); wandb.init accepts every mode Settings does.
+        mode = cast(
+            'Literal["online", "offline", "disabled", "shared"]',
+            os.environ.get("WANDB_MODE", "offline"),
+        )
         settings = wandb.Settings(console="off", silent=True)  # no capture, no banner
         # the process-wide settings decide wandb's own telemetry: offline there too (see above)
         wandb.setup(settings=wandb.Settings(mode=mode, console="off", silent=True))
@@ -167,7 +172,7 @@ class _WandbRun:
         self._run.finish(exit_code=0 if status == "FINISHED" else 1)
 
 
-_OPENERS = {"mlflow": _MlflowRun, "wandb": _WandbRun}
+_OPENERS: dict[str, type[_MlflowRun | _WandbRun]] = {"mlflow": _MlflowRun, "wandb": _WandbRun}
 
 
 class Trackers:
@@ -284,7 +289,7 @@ def open_trackers(
             installed (the pip command given); MLflow cannot open its store or run.
 
     Example:
-        >>> with open_trackers(["wandb"], out, run_name="r", config=cfg) as t:  # doctest: +SKIP
+        >>> with open_trackers(["wandb"], out, run_name="r", config=cfg) as t:  # offline
         ...     t.log_metrics({"train_loss": 0.3}, step=1)
     """
     wanted = check_tracker_names(names)

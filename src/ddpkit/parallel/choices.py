@@ -1,10 +1,53 @@
-"""The allowed values of the wrapping's string settings, without torch (``ddpkit train``'s flags
-and help read them before anything imports torch); :mod:`ddpkit.parallel.wrap` and
-:mod:`ddpkit.parallel.comm` act on them."""
+"""The allowed values of the wrapping's string settings, and the world sizes each strategy runs
+on, without torch (``ddpkit train``'s flags, help and config checks read them before anything
+imports torch); :mod:`ddpkit.parallel.strategy` and :mod:`ddpkit.parallel.comm` act on them.
+
+Example:
+    >>> resolved_strategy("auto", 4), resolved_strategy("auto", 1), resolved_strategy("fsdp", 1)
+    ('ddp', 'single', 'fsdp')
+    >>> strategy_problems("auto", 1), strategy_problems("zero1", 2)
+    ([], [])
+    >>> strategy_problems("dp", 2)  # doctest: +ELLIPSIS
+    ["strategy='dp' with world_size=2. It runs in one process. Use nproc=1 (--nproc 1), ..."]
+"""
 
 from __future__ import annotations
 
-__all__ = ["GRAD_COMPRESSIONS", "STRATEGIES"]
+__all__ = [
+    "GRAD_COMPRESSIONS",
+    "ONE_PROCESS",
+    "SEVERAL_PROCESSES",
+    "STRATEGIES",
+    "resolved_strategy",
+    "strategy_problems",
+]
 
 STRATEGIES = ("auto", "single", "ddp", "dp", "zero1", "fsdp")
 GRAD_COMPRESSIONS = ("none", "fp16", "bf16", "powersgd")
+ONE_PROCESS = ("single", "dp")  # strategies of one process (no process group)
+SEVERAL_PROCESSES = ("ddp", "zero1", "fsdp")  # strategies that need a process group (2+ ranks)
+
+
+def resolved_strategy(name: str, world_size: int) -> str:
+    """The strategy that runs at ``world_size``: ``auto`` is ``ddp`` with 2 or more processes,
+    else ``single`` (the one place ``auto`` is resolved); any other name is itself."""
+    if name != "auto":
+        return name
+    return "ddp" if world_size > 1 else "single"
+
+
+def strategy_problems(name: str, world_size: int) -> list[str]:
+    """Why the strategy ``name`` cannot run with ``world_size`` processes, one line each
+    (``[]``: it can). What ``Strategy.problems`` and ``ddpkit train``'s config check say."""
+    resolved = resolved_strategy(name, world_size)
+    if resolved in SEVERAL_PROCESSES and world_size < 2:
+        return [
+            f"strategy={resolved!r} with world_size={world_size}. It needs 2 or more processes. "
+            "Use strategy='single', or nproc=2 or more"
+        ]
+    if resolved in ONE_PROCESS and world_size > 1:
+        return [
+            f"strategy={resolved!r} with world_size={world_size}. It runs in one process. "
+            "Use nproc=1 (--nproc 1), or strategy='ddp' for several processes"
+        ]
+    return []

@@ -42,10 +42,10 @@ from torch import nn
 from ddpkit.errors import ConfigError
 from ddpkit.guards.grad_sync import attach_grad_sync_check
 from ddpkit.log import get_logger
+from ddpkit.parallel.strategy import DDP, FSDP, Single, Strategy
 from ddpkit.runtime.process_group import Runtime
 
 DEFAULT_CHECK_STEPS = 3  # optimizer steps whose gradients are compared under compile
-_DDP = ("ddp", "zero1")  # strategies whose gradients DDP all-reduces
 _ONE_MIB = 1024 * 1024
 
 
@@ -80,10 +80,9 @@ def compile_options(compile: bool | dict[str, Any] | None) -> dict[str, Any] | N
 
 
 def prepare_compile(
-    strategy: str,
+    strategy: Strategy,
     compile: bool | dict[str, Any] | None,
     grad_sync_check_steps: int | None,
-    ddp_kwargs: dict[str, Any],
 ) -> tuple[dict[str, Any] | None, int]:
     """Check ``wrap_model``'s compile arguments for the resolved ``strategy``.
 
@@ -94,32 +93,33 @@ def prepare_compile(
     Raises:
         ConfigError: a bad ``compile`` value or key; ``dp`` with compile; ``bucket_cap_mb``
             below DDPOptimizer's first bucket; ``grad_sync_check_steps`` negative, or given for
-            ``dp``/``fsdp``.
+            a strategy whose gradients DDP does not all-reduce (``dp``, ``fsdp``, ``live``).
     """
     options = compile_options(compile)
     steps = grad_sync_check_steps
     if steps is None:
-        steps = DEFAULT_CHECK_STEPS if options is not None and strategy in _DDP else 0
+        steps = DEFAULT_CHECK_STEPS if options is not None and strategy.ddp_gradients else 0
     if isinstance(steps, bool) or not isinstance(steps, int) or steps < 0:
         raise ConfigError(
             f"invalid grad_sync_check_steps={steps!r}. It counts optimizer steps: an integer "
             ">= 0 (0 = off). Fix the value."
         )
-    if options is not None and strategy == "dp":
+    if options is not None and not strategy.compilable:
         raise ConfigError(
-            "compile with strategy='dp': DataParallel replicates the module onto every GPU at "
-            "each forward, which torch.compile does not support. Use strategy='ddp' (what "
-            "PyTorch recommends on one machine too) or compile=False."
+            f"compile with strategy={strategy.name!r}: DataParallel replicates the module onto "
+            "every GPU at each forward, which torch.compile does not support. Use "
+            "strategy='ddp' (what PyTorch recommends on one machine too) or compile=False."
         )
-    if steps and strategy in ("dp", "fsdp"):
+    # single: nothing to compare at world size 1 (the check is a no-op there)
+    if steps and not strategy.ddp_gradients and not isinstance(strategy, Single):
         raise ConfigError(
-            f"grad_sync_check_steps={steps} with strategy={strategy!r}: the check compares "
+            f"grad_sync_check_steps={steps} with strategy={strategy.name!r}: the check compares "
             "DDP's all-reduced gradients across ranks, which this strategy does not have. Drop "
             "it (0), or use strategy='ddp'."
         )
-    cap_mb = ddp_kwargs.get("bucket_cap_mb")
+    cap_mb = strategy.bucket_cap_mb if isinstance(strategy, DDP) else None
     first_mb = getattr(torch.distributed, "_DEFAULT_FIRST_BUCKET_BYTES", _ONE_MIB) / _ONE_MIB
-    if options is not None and strategy in _DDP and cap_mb is not None and cap_mb < first_mb:
+    if options is not None and cap_mb is not None and cap_mb < first_mb:
         raise ConfigError(
             f"bucket_cap_mb={cap_mb} with compile: torch.compile's DDPOptimizer splits the graph "
             f"at DDP's buckets and needs them at least as large as its first bucket "
@@ -132,7 +132,7 @@ def prepare_compile(
 def finish_compile(
     model: nn.Module,
     runtime: Runtime,
-    strategy: str,
+    strategy: Strategy,
     options: dict[str, Any] | None,
     check_steps: int,
 ) -> nn.Module:
@@ -142,7 +142,7 @@ def finish_compile(
         compile_wrapped(model, strategy, options)
         _quiet_ddp_profiler_warning()
     check = None
-    if strategy in _DDP:
+    if strategy.ddp_gradients:
         context = "under torch.compile" if options is not None else ""
         check = attach_grad_sync_check(model, runtime, check_steps, context=context)
     if options is not None:
@@ -157,7 +157,7 @@ def finish_compile(
     return model
 
 
-def compile_wrapped(model: nn.Module, strategy: str, options: dict[str, Any]) -> nn.Module:
+def compile_wrapped(model: nn.Module, strategy: Strategy, options: dict[str, Any]) -> nn.Module:
     """Compile the wrapped ``model`` in place, in the order torch recommends for ``strategy``.
 
     Returns ``model`` itself (same object, same class, same state dict keys). Compilation is
@@ -171,12 +171,12 @@ def compile_wrapped(model: nn.Module, strategy: str, options: dict[str, Any]) ->
         strategy: the resolved strategy.
         options: ``torch.compile`` keyword arguments (``{}``: torch's defaults, inductor).
     """
-    if strategy == "fsdp":
+    if isinstance(strategy, FSDP):
         for block in _fsdp_blocks(model):
             block.compile(**options)
     else:
         model.compile(**options)
-    inner = getattr(model, "module", model) if strategy in _DDP else None
+    inner = getattr(model, "module", model) if strategy.ddp_gradients else None
     if inner is not None and type(inner).forward.__module__.startswith("torch."):
         get_logger("parallel").warning(
             "wrap_model(compile=...): the model is torch's own %s, whose forward dynamo skips "

@@ -36,7 +36,6 @@ ranks with different numbers of batches never wait on each other's all-gathers.
 from __future__ import annotations
 
 import contextlib
-import sys
 import weakref
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -47,38 +46,13 @@ from torch import nn
 from ddpkit.errors import ConfigError
 from ddpkit.guards.wrapped import verify_same_parameters
 from ddpkit.runtime.process_group import Runtime
+from ddpkit.wrappers import is_fsdp, is_sharded_tensor
 
 WrapPolicy = type | tuple[type, ...] | Callable[[nn.Module], bool] | None
 
 # reshard_after_forward of each FSDP module ddpkit wrapped (FSDP2 has no getter), so the
 # evaluation pass can put back what it changed; weak: a model dropped by the user is freed
 _RESHARD_AFTER_FORWARD: weakref.WeakKeyDictionary[nn.Module, bool] = weakref.WeakKeyDictionary()
-
-
-def is_fsdp(model: object) -> bool:
-    """True for a module ``fully_shard`` was applied to (an ``FSDPModule``).
-
-    Looked up only when torch's FSDP package is already imported (a sharded module implies
-    it is), so this costs no import for DDP users.
-    """
-    module = sys.modules.get("torch.distributed.fsdp._fully_shard._fully_shard")
-    fsdp_module = getattr(module, "FSDPModule", None)
-    return fsdp_module is not None and isinstance(model, fsdp_module)
-
-
-def is_sharded_tensor(tensor: object) -> bool:
-    """True for a ``DTensor`` (what FSDP2 makes of parameters, gradients, optimizer state)."""
-    module = sys.modules.get("torch.distributed.tensor._api")
-    dtensor = getattr(module, "DTensor", None)
-    return dtensor is not None and isinstance(tensor, dtensor)
-
-
-def local_tensor(tensor: torch.Tensor) -> torch.Tensor:
-    """This rank's part of ``tensor``: ``tensor.to_local()`` for a ``DTensor``, else ``tensor``.
-
-    Checks on the local part stay local: a ``DTensor`` reduction would be a collective.
-    """
-    return tensor.to_local() if is_sharded_tensor(tensor) else tensor
 
 
 def full_value(tensor: torch.Tensor) -> torch.Tensor:
@@ -132,21 +106,8 @@ def select_units(model: nn.Module, wrap_policy: WrapPolicy = None) -> list[nn.Mo
     """
     if wrap_policy is None:
         return _default_units(model)
-    if isinstance(wrap_policy, type) or (
-        isinstance(wrap_policy, tuple) and all(isinstance(c, type) for c in wrap_policy)
-    ):
-        classes = wrap_policy
-
-        def chosen(module: nn.Module) -> bool:
-            return isinstance(module, classes)
-    elif callable(wrap_policy):
-        chosen = wrap_policy
-    else:
-        raise ConfigError(
-            f"invalid FSDP wrap policy: wrap_policy={wrap_policy!r}. Pass a module class, a "
-            "tuple of classes, a callable policy(module) -> bool, or None (the default: each "
-            "block of the model's ModuleList/Sequential)."
-        )
+    check_wrap_policy(wrap_policy)
+    chosen = _chooser(wrap_policy)
     units: list[nn.Module] = []
 
     def visit(module: nn.Module) -> None:
@@ -160,6 +121,58 @@ def select_units(model: nn.Module, wrap_policy: WrapPolicy = None) -> list[nn.Mo
     return units
 
 
+def _chooser(
+    wrap_policy: type | tuple[type, ...] | Callable[[nn.Module], bool],
+) -> Callable[[nn.Module], bool]:
+    """``policy(module) -> bool`` of a checked wrap policy (classes: ``isinstance``)."""
+    if isinstance(wrap_policy, (type, tuple)):
+        classes = wrap_policy
+
+        def of_classes(module: nn.Module) -> bool:
+            return isinstance(module, classes)
+
+        return of_classes
+    return wrap_policy
+
+
+def _is_classes(wrap_policy: object) -> bool:
+    return isinstance(wrap_policy, type) or (
+        isinstance(wrap_policy, tuple) and all(isinstance(c, type) for c in wrap_policy)
+    )
+
+
+def check_wrap_policy(wrap_policy: object) -> None:
+    """Raise :class:`ConfigError` for a wrap policy that is none of those
+    :func:`select_units` takes."""
+    if wrap_policy is not None and not _is_classes(wrap_policy) and not callable(wrap_policy):
+        raise ConfigError(
+            f"invalid FSDP wrap policy: wrap_policy={wrap_policy!r}. Pass a module class, a "
+            "tuple of classes, a callable policy(module) -> bool, or None (the default: each "
+            "block of the model's ModuleList/Sequential)."
+        )
+
+
+def check_fsdp_options(wrap_policy: object, reshard_after_forward: object, precision: str) -> None:
+    """Check :func:`wrap_fsdp`'s options without touching a model (what ``FSDP(...)`` runs).
+
+    Raises:
+        ConfigError: see :func:`check_wrap_policy` and :func:`mixed_precision_policy`;
+            ``reshard_after_forward`` not a bool.
+    """
+    check_wrap_policy(wrap_policy)
+    if precision not in ("32", "bf16-mixed"):
+        raise ConfigError(
+            f"precision for strategy='fsdp': precision={precision!r}. FSDP takes 32 or "
+            "bf16-mixed (16-mixed needs a loss scaler over sharded gradients, which ddpkit "
+            "does not offer). Use bf16-mixed."
+        )
+    if not isinstance(reshard_after_forward, bool):
+        raise ConfigError(
+            f"invalid reshard_after_forward={reshard_after_forward!r}. It must be True (ZeRO-3: "
+            "free gathered parameters after forward) or False (ZeRO-2: keep them for backward)."
+        )
+
+
 def mixed_precision_policy(precision: str) -> Any:
     """The ``MixedPrecisionPolicy`` of a ``--precision`` value (``32``: torch's default, fp32).
 
@@ -169,15 +182,10 @@ def mixed_precision_policy(precision: str) -> Any:
     """
     from torch.distributed.fsdp import MixedPrecisionPolicy
 
+    check_fsdp_options(None, True, precision)
     if precision == "32":
         return MixedPrecisionPolicy()
-    if precision == "bf16-mixed":
-        return MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-    raise ConfigError(
-        f"precision for strategy='fsdp': precision={precision!r}. FSDP takes 32 or bf16-mixed "
-        "(16-mixed needs a loss scaler over sharded gradients, which ddpkit does not offer). "
-        "Use bf16-mixed."
-    )
+    return MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
 
 
 def wrap_fsdp(
@@ -209,12 +217,8 @@ def wrap_fsdp(
     from torch.distributed.device_mesh import DeviceMesh
     from torch.distributed.fsdp import fully_shard
 
+    check_fsdp_options(wrap_policy, reshard_after_forward, precision)
     policy = mixed_precision_policy(precision)
-    if not isinstance(reshard_after_forward, bool):
-        raise ConfigError(
-            f"invalid reshard_after_forward={reshard_after_forward!r}. It must be True (ZeRO-3: "
-            "free gathered parameters after forward) or False (ZeRO-2: keep them for backward)."
-        )
     units = select_units(model, wrap_policy)
     model = model.to(runtime.device)
     verify_same_parameters(model, runtime)

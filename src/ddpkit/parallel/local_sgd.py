@@ -26,7 +26,6 @@ every N steps (N a multiple of H) always runs right after an averaging step.
 from __future__ import annotations
 
 import contextlib
-import weakref
 from typing import TYPE_CHECKING
 
 import torch
@@ -35,21 +34,20 @@ from torch.distributed.algorithms.model_averaging import utils as averaging_util
 from torch.nn.parallel import DistributedDataParallel
 
 from ddpkit.errors import ConfigError
+from ddpkit.guards.grad_sync import gradients_local, mark_gradients_local
 from ddpkit.parallel.comm import CommStats
-from ddpkit.parallel.wrap import wrapped_strategy
+from ddpkit.parallel.strategy import wrapped_strategy
 from ddpkit.parallel.zero import is_zero_optimizer
 from ddpkit.runtime.process_group import Runtime
 
 if TYPE_CHECKING:
     from torch.distributed.optim import PostLocalSGDOptimizer
 
-# DDP models whose gradient sync enable_local_sgd turned off (read by join_uneven_inputs)
-_LOCAL_SGD_MODELS: weakref.WeakSet[DistributedDataParallel] = weakref.WeakSet()
-
 
 def is_local_sgd_model(model: torch.nn.Module) -> bool:
-    """True while :func:`enable_local_sgd` holds ``model``'s gradient sync off."""
-    return model in _LOCAL_SGD_MODELS
+    """True while :func:`enable_local_sgd` holds ``model``'s gradient sync off (read by
+    ``join_uneven_inputs``; the gradient sync check skips such a model too)."""
+    return gradients_local(model)
 
 
 class PeriodicAverager(averagers.ModelAverager):
@@ -130,9 +128,10 @@ def enable_local_sgd(
             strategy is ``zero1`` or the optimizer a ``ZeroRedundancyOptimizer``, or the model
             has a comm hook or ``static_graph=True``.
 
-    Example:
+    Example (skipped here: it needs a DDP model on 2+ ranks, as in
+    tests/distributed/test_local_sgd.py):
         >>> opt = enable_local_sgd(ddp_model, torch.optim.SGD(ddp_model.parameters(), 0.1),
-        ...                        runtime=rt, sync_every=4)               # doctest: +SKIP
+        ...                        runtime=rt, sync_every=4)  # doctest: +SKIP
     """
     if not isinstance(sync_every, int) or sync_every < 2:
         raise ConfigError(
@@ -140,9 +139,9 @@ def enable_local_sgd(
             "(1 means all-reduce every step: use plain DDP, i.e. do not call enable_local_sgd)."
         )
     strategy = wrapped_strategy(model)
-    if strategy in ("fsdp", "zero1") or is_zero_optimizer(optimizer):
+    if not strategy.replicated or is_zero_optimizer(optimizer):
         raise ConfigError(
-            f"local SGD with strategy={strategy!r}: local SGD lets each rank train a whole "
+            f"local SGD with strategy={strategy.name!r}: local SGD lets each rank train a whole "
             "replica and averages the replicas; fsdp shards the parameters and zero1 the "
             "optimizer state, so there is no replica to average. Use strategy='ddp' for local "
             "SGD, or drop sync_every."
@@ -168,7 +167,7 @@ def enable_local_sgd(
     averager = PeriodicAverager(sync_every, runtime.process_group, stats)
     # entered here and never left while the averager lives: gradient sync is off for good
     averager.sync_off.enter_context(model.no_sync())
-    _LOCAL_SGD_MODELS.add(model)
+    mark_gradients_local(model)
     # imported here: torch.distributed.optim scripts its functional optimizers on import
     # (about 4 s of CPU), which every other ddpkit user would pay
     from torch.distributed.optim import PostLocalSGDOptimizer

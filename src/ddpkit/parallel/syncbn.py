@@ -24,6 +24,7 @@ from torch.autograd.function import once_differentiable
 from ddpkit.errors import ConfigError
 from ddpkit.log import get_logger
 from ddpkit.runtime.process_group import Runtime
+from ddpkit.wrappers import WRAPPERS
 
 
 def _stats_dims(x: torch.Tensor) -> list[int]:
@@ -181,13 +182,15 @@ def convert_sync_batchnorm(model: nn.Module, runtime: Runtime) -> nn.Module:
     Raises:
         ConfigError: ``model`` is already wrapped in DDP/DataParallel (convert before wrapping).
 
-    Example:
-        >>> model = wrap_model(convert_sync_batchnorm(Net(), rt), rt)    # doctest: +SKIP
+    Example (``wrap_model(convert_sync_batchnorm(net, rt), rt)`` on 2+ ranks; at world size 1,
+    as here, the model is returned unchanged):
+        >>> from ddpkit.env import ProcessInfo
+        >>> net = nn.Sequential(nn.Conv2d(1, 4, 3), nn.BatchNorm2d(4))
+        >>> convert_sync_batchnorm(net, Runtime(ProcessInfo())) is net
+        True
     """
-    from ddpkit.parallel.wrap import _WRAPPERS
-
     log = get_logger("parallel")
-    if isinstance(model, _WRAPPERS):
+    if isinstance(model, WRAPPERS):
         raise ConfigError(
             f"sync batch norm: the model is already wrapped in {type(model).__name__}. "
             "Convert the plain module first, then wrap it."

@@ -47,6 +47,12 @@ from ddpkit.live.protocol import Quorum
 from ddpkit.live.start import join_live, wants_live
 from ddpkit.log import follow_rank_change
 from ddpkit.runtime.choices import BACKENDS  # torch-free: the train flags read them
+from ddpkit.runtime.config import (  # torch-free: ddpkit train's [runtime] settings read them
+    INIT_TIMEOUT_S,
+    STALL_TIMEOUT_S,
+    TRAIN_TIMEOUT_S,
+    watchdog_timeout_rule,
+)
 from ddpkit.runtime.hashseed import warn_if_str_hashes_differ
 from ddpkit.runtime.rendezvous import (
     check_local_route,
@@ -58,8 +64,6 @@ from ddpkit.runtime.rendezvous import (
 from ddpkit.runtime.stop import StopRequest, TrainingStopped, default_stop_signals
 from ddpkit.security.token import load_token
 from ddpkit.watchdog.monitor import Watchdog
-
-MIN_STALL_TIMEOUT_S = 2.0  # two heartbeats of the watchdog (1 s apart)
 
 
 def resolve_backend(backend: str, info: ProcessInfo) -> str:
@@ -129,7 +133,7 @@ class Runtime:
     backend: str | None = None
     device: torch.device = field(default_factory=lambda: torch.device("cpu"))
     process_group: Any = None
-    train_timeout_s: float = 1800.0
+    train_timeout_s: float = TRAIN_TIMEOUT_S
     debug_collectives: bool = False
     watchdog: Watchdog | None = None
     stop: StopRequest | None = None
@@ -176,8 +180,10 @@ class Runtime:
             DistributedError: a peer stopped answering during the check.
 
         Example:
-            >>> if rt.stop_requested():          # doctest: +SKIP
-            ...     break
+            >>> for x, y in loader:
+            ...     loss = F.cross_entropy(model(x), y)  # ... one training step
+            ...     if rt.stop_requested():  # a stop signal reached some rank: all stop here
+            ...         break
         """
         if self.step_probe is not None:  # a step ended: straggler figures (collective)
             self.step_probe.end_step()
@@ -225,8 +231,10 @@ class Runtime:
             DistributedError: a peer stopped answering during the barrier.
 
         Example:
-            >>> with rt.main_process_first():          # doctest: +SKIP
-            ...     train_set = torchvision.datasets.MNIST("data", download=True)
+            >>> with rt.main_process_first():  # rank 0 writes the file, the others find it
+            ...     if not os.path.exists("features.pt"):  # e.g. a dataset download
+            ...         torch.save(torch.randn(8, 4), "features.pt")
+            ...     features = torch.load("features.pt")
         """
         first = self.local_rank == 0 if local else self.rank == 0
         if not first:
@@ -362,11 +370,9 @@ def _watchdog_timeout(name: str, value: float | None, example: float) -> float |
     if value is None or (value == 0 and not isinstance(value, bool)):
         return None
     _check_timeouts(**{name: value})
-    if value < MIN_STALL_TIMEOUT_S:
-        raise ConfigError(
-            f"invalid timeout: {name}={value!r} is under two watchdog heartbeats. Pass at "
-            f"least {MIN_STALL_TIMEOUT_S:g} seconds, e.g. {example}, or 0 for off."
-        )
+    rule = watchdog_timeout_rule(value)
+    if rule:
+        raise ConfigError(f"invalid timeout: {name}={value!r} {rule}. Pass e.g. {example}.")
     return float(value)
 
 
@@ -389,11 +395,11 @@ def _attempt_store(info: ProcessInfo, timeout_s: float) -> dist.Store:
 def init_runtime(
     backend: str = "auto",
     *,
-    init_timeout_s: float = 300.0,
-    train_timeout_s: float = 1800.0,
+    init_timeout_s: float = INIT_TIMEOUT_S,
+    train_timeout_s: float = TRAIN_TIMEOUT_S,
     info: ProcessInfo | None = None,
     store: dist.Store | None = None,
-    stall_timeout_s: float | None = 300.0,
+    stall_timeout_s: float | None = STALL_TIMEOUT_S,
     deadlock_timeout_s: float | None = 5.0,
     stop_signals: Sequence[int] | None = None,
     fault_tolerance: str | None = None,
@@ -454,8 +460,9 @@ def init_runtime(
             this process's world size or job token does not match the job's.
 
     Example:
-        >>> with init_runtime() as rt:          # doctest: +SKIP
-        ...     print(rt.rank, rt.world_size, rt.device)
+        >>> with init_runtime() as rt:  # plain `python train.py`: world size 1
+        ...     print(rt.rank, rt.world_size, rt.process_group)
+        0 1 None
     """
     _check_timeouts(init_timeout_s=init_timeout_s, train_timeout_s=train_timeout_s)
     live = wants_live(fault_tolerance)
@@ -617,6 +624,8 @@ def _start_watchdog(
     """The watchdog over the default and the training group (``None`` when both are off)."""
     if stall_timeout_s is None and deadlock_timeout_s is None:
         return None
+    world = dist.group.WORLD
+    assert world is not None  # _process_groups made the default group
     return Watchdog(
         store,
         info,
@@ -624,7 +633,7 @@ def _start_watchdog(
         deadlock_timeout_s=deadlock_timeout_s,
         groups=(group,),
         group_labels={
-            dist.group.WORLD.group_name: "the default group",
+            world.group_name: "the default group",
             group.group_name: "ddpkit's training group",
         },
         recorder=record_failure,

@@ -43,9 +43,10 @@ PROGRESS_EVERY_S = 10.0
 def format_ranks(ranks: list[int]) -> str:
     """``[2, 3, 5, 6, 7]`` -> ``"2, 3, 5-7"`` (runs of three or more are shortened)."""
     parts: list[str] = []
-    start = prev = None
-    for rank in sorted(ranks) + [None]:
-        if start is not None and rank == prev + 1:
+    start: int | None = None  # the open run's first rank
+    prev = 0  # the open run's last rank (read only while a run is open)
+    for rank in [*sorted(ranks), None]:
+        if start is not None and rank is not None and rank == prev + 1:
             prev = rank
             continue
         if start is not None:
@@ -53,6 +54,8 @@ def format_ranks(ranks: list[int]) -> str:
             parts.append(
                 f"{start}-{prev}" if span >= 2 else ", ".join(map(str, range(start, prev + 1)))
             )
+        if rank is None:
+            break
         start = prev = rank
     return ", ".join(parts)
 
@@ -77,7 +80,8 @@ def check_local_route(host: str, timeout_s: float = 5.0) -> None:
         >>> check_local_route("127.0.0.1")  # passes silently where lo is up
     """
     try:
-        address = socket.getaddrinfo(host, None, socket.AF_INET, socket.SOCK_STREAM)[0][4][0]
+        # An AF_INET sockaddr is (address, port): str() only tells the type checker so.
+        address = str(socket.getaddrinfo(host, None, socket.AF_INET, socket.SOCK_STREAM)[0][4][0])
     except (socket.gaierror, IndexError, UnicodeError):
         return
     with socket.socket() as listener, socket.socket() as client:

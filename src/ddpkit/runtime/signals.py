@@ -7,11 +7,19 @@ import signal
 
 from ddpkit.errors import ConfigError
 
-__all__ = ["DEFAULT_STOP_SIGNALS", "GRACE_PERIOD_ENV", "STOP_SIGNALS_ENV", "parse_stop_signals"]
+__all__ = [
+    "DEFAULT_STOP_SIGNALS",
+    "GRACE_PERIOD_ENV",
+    "STOP_SIGNALS_ENV",
+    "TORCHRUN_DEFAULT_GRACE_S",
+    "parse_stop_signals",
+]
 
 DEFAULT_STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1)
 STOP_SIGNALS_ENV = "DDPKIT_STOP_SIGNALS"  # set by ddpkit's launcher from --stop-signals
 GRACE_PERIOD_ENV = "DDPKIT_GRACE_PERIOD_S"  # set by ddpkit's launcher from --grace-period
+# torchrun's --shutdown-timeout default (torch 2.13), and so ddpkit's --grace-period default
+TORCHRUN_DEFAULT_GRACE_S = 30
 
 
 def parse_stop_signals(text: str) -> tuple[signal.Signals, ...]:

@@ -50,6 +50,7 @@ from ddpkit.runtime.signals import (  # torch-free: the launcher's flags read th
     DEFAULT_STOP_SIGNALS,
     GRACE_PERIOD_ENV,
     STOP_SIGNALS_ENV,
+    TORCHRUN_DEFAULT_GRACE_S,
     parse_stop_signals,
 )
 
@@ -57,7 +58,6 @@ if TYPE_CHECKING:
     from ddpkit.runtime.process_group import Runtime
 
 TORCHRUN_SHUTDOWN_ENV = "TORCH_ELASTIC_SHUTDOWN_TIMEOUT"  # torchrun's own setting
-TORCHRUN_DEFAULT_GRACE_S = 30.0  # torchrun's --shutdown-timeout default (torch 2.13)
 DUPLICATE_WINDOW_S = 1.0
 CHECK_BUDGET = 0.01
 MAX_CHECK_GAP_S = 1.0
@@ -86,7 +86,7 @@ def grace_period_s(environ: dict[str, str] | None = None) -> float | None:
             return float(env[name])
         except (KeyError, ValueError):
             continue
-    return TORCHRUN_DEFAULT_GRACE_S if "TORCHELASTIC_RUN_ID" in env else None
+    return float(TORCHRUN_DEFAULT_GRACE_S) if "TORCHELASTIC_RUN_ID" in env else None
 
 
 class TrainingStopped(SystemExit):
@@ -110,6 +110,8 @@ class TrainingStopped(SystemExit):
             other ranks through the agreement).
         note: where in the program, set by whoever knows (``ddpkit train``: ``"(epoch 2/5)"``).
     """
+
+    code: int  # SystemExit's exit status, always 128 + the signal number here
 
     def __init__(
         self,

@@ -32,7 +32,8 @@ def resolve_ipv4(host: str) -> str:
         ConfigError: the name does not resolve to an IPv4 address.
     """
     try:
-        return socket.getaddrinfo(host, None, socket.AF_INET, socket.SOCK_STREAM)[0][4][0]
+        # An AF_INET sockaddr is (address, port): str() only tells the type checker so.
+        return str(socket.getaddrinfo(host, None, socket.AF_INET, socket.SOCK_STREAM)[0][4][0])
     except (socket.gaierror, IndexError):
         raise ConfigError(
             f"cannot resolve address: host={host!r} has no IPv4 address. Give an IPv4 address "

@@ -49,6 +49,7 @@ from ddpkit.runtime.process_group import Runtime
 from ddpkit.training.dynamic import UnusedParameterDiagnosis
 from ddpkit.training.observe import StepTimer
 from ddpkit.training.precision import MixedPrecision
+from ddpkit.training.rules import static_graph_with_accumulation
 
 
 def default_num_samples(batch: Any) -> int:
@@ -92,9 +93,14 @@ class GradientAccumulator:
             the gradients silently stop being all-reduced).
 
     Example:
-        >>> accumulator = GradientAccumulator(model, rt, num_micro_steps=4)  # doctest: +SKIP
-        >>> for window in accumulator.windows(loader):                      # doctest: +SKIP
-        ...     ...
+        >>> accumulator = GradientAccumulator(model, rt, num_micro_steps=4)
+        >>> for window in accumulator.windows(loader):
+        ...     for micro in window:
+        ...         with micro:  # no_sync() but on the window's last micro-step
+        ...             x, y = micro.batch
+        ...             micro.backward(F.cross_entropy(model(x), y))
+        ...     optimizer.step()
+        ...     optimizer.zero_grad()
     """
 
     def __init__(
@@ -115,13 +121,10 @@ class GradientAccumulator:
                 f"invalid gradient accumulation: num_micro_steps={num_micro_steps}. It must be "
                 "an integer >= 1 (micro-batches per optimizer step). Pass e.g. 4."
             )
-        if num_micro_steps > 1 and getattr(model, "static_graph", False):
-            raise ConfigError(
-                f"gradient accumulation with DDP static_graph=True: num_micro_steps="
-                f"{num_micro_steps}. torch's DDP breaks no_sync in static-graph mode "
-                "(pytorch/pytorch#143580). Drop static_graph (--static-graph), or use "
-                "num_micro_steps=1."
-            )
+        static_graph = bool(getattr(model, "static_graph", False))
+        problem = static_graph_with_accumulation(static_graph, num_micro_steps)
+        if problem:
+            raise ConfigError(f"invalid gradient accumulation: {problem}.")
         self.model = model
         self.runtime = runtime
         self.num_micro_steps = num_micro_steps

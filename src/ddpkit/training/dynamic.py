@@ -84,7 +84,7 @@ class UnusedParameterDiagnosis:
     :class:`~ddpkit.training.accumulation.GradientAccumulator` does all three.
 
     Example:
-        >>> diagnosis = UnusedParameterDiagnosis(ddp_model)    # doctest: +SKIP
+        >>> diagnosis = UnusedParameterDiagnosis(ddp_model, rt)
         >>> handles = diagnosis.attach()
         >>> try:
         ...     out = ddp_model(x)

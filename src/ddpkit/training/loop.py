@@ -20,7 +20,7 @@ only when the loop asks for it), so a checkpoint taken there holds the loader's 
 from __future__ import annotations
 
 import itertools
-from collections.abc import Iterable, Iterator, Sized
+from collections.abc import Generator, Iterable, Iterator, Sized
 from typing import Any
 
 from ddpkit.data.sampler import ShardedLoader
@@ -28,6 +28,7 @@ from ddpkit.errors import ConfigError
 from ddpkit.live.outcomes import StepDiscarded
 from ddpkit.runtime.collectives import all_reduce_sum
 from ddpkit.runtime.process_group import Runtime
+from ddpkit.training.device_values import DeviceSum
 from ddpkit.training.step import StepResult, TrainStep
 from ddpkit.training.uneven import join_uneven_inputs, verify_even_batches
 
@@ -66,8 +67,11 @@ def train_epoch(
         UnevenInputsError: without ``join``, the ranks have different numbers of batches.
 
     Example:
-        >>> for result in train_epoch(step, loader, max_steps=100):  # doctest: +SKIP
-        ...     print(result.step, result.loss)
+        >>> step = TrainStep(model, optimizer, runtime=rt)
+        >>> for result in train_epoch(step, loader, max_steps=2):
+        ...     print(result.step, result.num_samples, f"loss {result.loss:.3f}")
+        1 4 loss ...
+        2 4 loss ...
     """
     if max_steps is not None and max_steps < 1:
         raise ValueError(
@@ -90,6 +94,7 @@ def _results(
     timer = step.timer
     with join_uneven_inputs(step.model, step.runtime, enable=join):  # stragglers paused
         windows = step.windows(batches)
+        assert isinstance(windows, Generator)  # GradientAccumulator.windows: a generator
         try:
             for _ in range(max_steps) if max_steps is not None else itertools.count():
                 with timer.phase("data_wait"):  # the window draws its K batches up front
@@ -120,6 +125,7 @@ def _live_results(
         committed = loader.state_dict()  # between steps: where the next step's samples start
         pass_epoch, quorum = committed["epoch"], live.quorum
         windows = step.windows(loader)
+        assert isinstance(windows, Generator)  # GradientAccumulator.windows: a generator
         try:
             while True:
                 if committed["epoch"] == pass_epoch:  # not past the pass's last step: a
@@ -153,6 +159,7 @@ def _verify_even(step: TrainStep, batches: Iterable[Any], max_steps: int | None)
         if batches.full_pass_batches() is None:  # a stream: even by design
             return
         num_batches = batches.next_pass_size()[0]
+        assert num_batches is not None  # a pass of known length (checked above)
     elif isinstance(batches, Sized):
         num_batches = len(batches)
     else:
@@ -165,25 +172,34 @@ def _verify_even(step: TrainStep, batches: Iterable[Any], max_steps: int | None)
 class EpochLoss:
     """This rank's running train-loss sums of one epoch; the mean over all ranks at the end.
 
+    The loss sum stays on the device (:class:`~ddpkit.training.device_values.DeviceSum`, no
+    sync per step); reading :attr:`loss_sum` or :meth:`reduce` reads it once.
+
     Attributes:
-        loss_sum: this rank's summed per-sample loss so far.
         num_samples: this rank's samples so far.
 
     Example:
-        >>> epoch_loss = EpochLoss()                                  # doctest: +SKIP
+        >>> step = TrainStep(model, optimizer, runtime=rt)
+        >>> epoch_loss = EpochLoss()
         >>> for result in train_epoch(step, loader):
         ...     epoch_loss.add(result)
         >>> train_loss, num_samples = epoch_loss.reduce(runtime)
+        >>> num_samples  # every rank's: 2 ranks x 4 batches x 4
+        32.0
     """
 
     def __init__(self) -> None:
-        self.loss_sum = 0.0
+        self._loss_sum = DeviceSum()
         self.num_samples = 0.0
 
+    @property
+    def loss_sum(self) -> float:
+        """This rank's summed per-sample loss so far (one device-to-host read)."""
+        return self._loss_sum.value()
+
     def add(self, result: StepResult) -> None:
-        """Add one step's losses and samples (micro-step by micro-step)."""
-        for value in result.loss_sums:
-            self.loss_sum += value
+        """Add one step's losses and samples (micro-step by micro-step; no host read)."""
+        self._loss_sum.add_each(result.loss_sums_tensor)
         self.num_samples += result.num_samples
 
     def reduce(self, runtime: Runtime) -> tuple[float, float]:

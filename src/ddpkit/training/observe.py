@@ -36,11 +36,15 @@ which names a slow data loader but not slow kernels) for the straggler detector,
 nothing: :meth:`StepTimer.end_step` returns ``None`` and the epoch summary has no phases.
 
 Example:
-    >>> timer = StepTimer(runtime)                                   # doctest: +SKIP
+    >>> timer = StepTimer(runtime)
     >>> step = ddpkit.TrainStep(model, optimizer, runtime=runtime, timer=timer)
     >>> for result in ddpkit.train_epoch(step, loader):
-    ...     result.phase_s["forward"]                               # this step's split
-    >>> timer.epoch_summary(runtime)["forward_s_per_step"]
+    ...     forward_s = result.phase_s["forward"]                   # this step's split
+    >>> sorted(result.phase_s)
+    ['backward_comm', 'data_wait', 'forward', 'optimizer']
+    >>> summary = timer.epoch_summary(runtime)                     # collective, once an epoch
+    >>> summary["forward_s_per_step"] > 0
+    True
 """
 
 from __future__ import annotations

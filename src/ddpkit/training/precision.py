@@ -73,11 +73,13 @@ class MixedPrecision:
         ConfigError: unknown precision; ``bf16-mixed`` on a GPU without bfloat16 support.
 
     Example:
-        >>> mp = MixedPrecision("bf16-mixed", rt)            # doctest: +SKIP
+        >>> mp = MixedPrecision("bf16-mixed", rt)
         >>> with mp.autocast():
         ...     loss = F.cross_entropy(model(x), y)
         >>> mp.scale_loss(loss).backward()
         >>> result = mp.step(optimizer, model, max_norm=1.0)
+        >>> result.stepped
+        True
     """
 
     def __init__(
@@ -146,7 +148,7 @@ class MixedPrecision:
         """
         overflow = False
         if self.scaler is not None:
-            overflow = self._agree_on_overflow(optimizer)
+            overflow = self._agree_on_overflow(optimizer, self.scaler)
             self.scaler.unscale_(optimizer)  # records inf/NaN; the step below then skips
         grad_norm = None
         if max_norm > 0:
@@ -160,13 +162,15 @@ class MixedPrecision:
         self.scaler.update()
         return OptimizerUpdate(not overflow, grad_norm)
 
-    def _agree_on_overflow(self, optimizer: torch.optim.Optimizer) -> bool:
+    def _agree_on_overflow(
+        self, optimizer: torch.optim.Optimizer, scaler: torch.amp.GradScaler
+    ) -> bool:
         """True when any rank's scaled gradients hold inf/NaN; then every rank's scaler sees it."""
         params = [p for group in optimizer.param_groups for p in group["params"]]
         grads = [p.grad for p in params if p.grad is not None]
         sums = [g.detach().sum(dtype=torch.float64) for g in grads]  # inf/NaN survive a sum
         local_overflow = bool(sums) and not math.isfinite(float(torch.stack(sums).sum()))
-        table = gather_per_rank([local_overflow, self.scaler.get_scale()], self.runtime)
+        table = gather_per_rank([local_overflow, scaler.get_scale()], self.runtime)
         scales = table[:, 1].tolist()
         if len(set(scales)) > 1:
             listing = ", ".join(f"rank {r} {s:g}" for r, s in enumerate(scales))

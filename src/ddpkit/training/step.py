@@ -19,7 +19,7 @@ sync); the unused-parameter diagnosis explains DDP's errors in the same place.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -30,16 +30,15 @@ from torch.nn import functional as F
 from ddpkit.errors import ConfigError
 from ddpkit.guards.nonfinite import NonFiniteGuard
 from ddpkit.live.outcomes import StepDiscarded
-from ddpkit.parallel.fsdp import is_sharded_tensor
 from ddpkit.parallel.live import all_reduce_gradients, stepping
-from ddpkit.parallel.wrap import wrapped_strategy
-from ddpkit.parallel.zero import is_zero_optimizer
+from ddpkit.parallel.strategy import wrapped_strategy
 from ddpkit.runtime.process_group import Runtime
 from ddpkit.training.accumulation import (
     AccumulationWindow,
     GradientAccumulator,
     default_num_samples,
 )
+from ddpkit.training.device_values import DeviceValues, values_tensor
 from ddpkit.training.observe import StepTimer
 from ddpkit.training.precision import MixedPrecision
 from ddpkit.training.stragglers import StragglerDetector
@@ -54,7 +53,10 @@ class StepResult:
     Attributes:
         step: the optimizer step's number, from 1 (counting on from ``start_step``); taken or
             skipped, every step counts.
-        loss_sums: per micro-step, this rank's micro-batch mean loss times its samples.
+        loss_sums: per micro-step, this rank's micro-batch mean loss times its samples
+            (float64). From :class:`TrainStep` a :class:`~ddpkit.training.device_values.
+            DeviceValues`: it stays on the device until read (the first read copies all K
+            values to the host at once, one sync); :attr:`loss_sums_tensor` never reads.
         num_samples: this rank's samples in the step (all its micro-batches).
         num_samples_global: every rank's samples in the step (the loss normaliser).
         skipped: the optimizer did not step: the non-finite guard or the 16-mixed loss scaler
@@ -69,7 +71,7 @@ class StepResult:
     """
 
     step: int
-    loss_sums: tuple[float, ...]
+    loss_sums: Sequence[float]
     num_samples: int
     num_samples_global: int
     skipped: bool
@@ -78,8 +80,16 @@ class StepResult:
     loss_global: float | None = None
 
     @property
+    def loss_sums_tensor(self) -> torch.Tensor:
+        """:attr:`loss_sums` as a float64 tensor of shape ``(num_micro_steps,)`` without a
+        device-to-host read: on the step's device (on CPU when the result was built from
+        floats). Add it up on the device and read the total once per logging interval."""
+        return values_tensor(self.loss_sums)
+
+    @property
     def loss_sum(self) -> float:
-        """This rank's summed per-sample loss of the step (float, Python's ``sum``)."""
+        """This rank's summed per-sample loss of the step (float, Python's ``sum``; reads
+        :attr:`loss_sums`)."""
         return sum(self.loss_sums)
 
     @property
@@ -105,28 +115,8 @@ def check_strategy_pairing(
             ``wrap_model``: it would step tensors FSDP no longer uses), or with ``16-mixed``
             (no loss scaler for sharded gradients).
     """
-    strategy = wrapped_strategy(model)
-    if strategy == "zero1" and not is_zero_optimizer(optimizer):
-        raise ConfigError(
-            f"strategy='zero1' with a {type(optimizer).__name__}: ZeRO-1 shards the optimizer "
-            "state, and this optimizer keeps all of it on every rank. Build it with "
-            "ddpkit.build_zero_optimizer(model.parameters(), runtime, optimizer_class=...)."
-        )
-    if strategy != "fsdp":
-        return
-    params = [p for group in optimizer.param_groups for p in group["params"]]
-    if not all(is_sharded_tensor(p) for p in params):
-        raise ConfigError(
-            "strategy='fsdp': the optimizer holds parameters that are not the model's shards "
-            "(it was built before wrap_model, which replaces them). Build the optimizer after "
-            "wrapping: torch.optim.AdamW(model.parameters(), ...)."
-        )
-    if precision.scaler is not None:
-        raise ConfigError(
-            "precision='16-mixed' with strategy='fsdp': its loss scaler does not handle sharded "
-            "gradients. Use bf16-mixed (wrap_model(..., precision='bf16-mixed') and "
-            "MixedPrecision('bf16-mixed', runtime))."
-        )
+    loss_scaled = precision.scaler is not None
+    wrapped_strategy(model).check_optimizer(optimizer, loss_scaled=loss_scaled)
 
 
 class TrainStep:
@@ -179,7 +169,7 @@ class TrainStep:
             :func:`check_strategy_pairing`).
 
     Example:
-        >>> step = TrainStep(model, optimizer, runtime=rt, num_micro_steps=4)  # doctest: +SKIP
+        >>> step = TrainStep(model, optimizer, runtime=rt, num_micro_steps=4)
         >>> for result in ddpkit.train_epoch(step, loader):
         ...     if not result.skipped:
         ...         schedule.step()
@@ -274,7 +264,7 @@ class TrainStep:
             )
         return StepResult(
             step=self.num_steps,
-            loss_sums=tuple(loss_sums),
+            loss_sums=loss_sums,
             num_samples=num_samples,
             num_samples_global=window.num_samples,
             skipped=not stepped,
@@ -282,16 +272,19 @@ class TrainStep:
             phase_s=phase_s,
         )
 
-    def _micro_steps(self, window: AccumulationWindow) -> tuple[torch.Tensor, list[float], int]:
+    def _micro_steps(self, window: AccumulationWindow) -> tuple[torch.Tensor, DeviceValues, int]:
         """Forward and backward of the window's micro-steps (the last syncs gradients).
+
+        No device-to-host read: the losses stay on the device (float64 products, bitwise the
+        host's ``float(loss) * n``).
 
         Returns:
             ``(summed micro-batch mean losses, per-micro-step loss x samples, local samples)``.
         """
         device, timer = self.runtime.device, self.timer
         window_loss = torch.zeros((), device=device)
-        loss_sums: list[float] = []
-        num_samples = 0
+        losses: list[torch.Tensor] = []
+        sizes: list[int] = []
         for micro in window:
             with timer.phase("data_wait"):
                 inputs, targets = (t.to(device) for t in micro.batch)
@@ -301,9 +294,9 @@ class TrainStep:
                 with timer.phase("backward_comm"):  # includes DDP's overlapped all-reduce
                     micro.backward(loss)
             window_loss += loss.detach().float()
-            loss_sums.append(float(loss.detach()) * len(targets))
-            num_samples += len(targets)
-        return window_loss, loss_sums, num_samples
+            losses.append(loss.detach())
+            sizes.append(len(targets))
+        return window_loss, _loss_sums(losses, sizes), sum(sizes)
 
     def _update(self, window_loss: torch.Tensor) -> tuple[bool, float | None]:
         """The guard's decision, then unscale/clip/step: ``(stepped, grad_norm)``."""
@@ -360,7 +353,7 @@ class TrainStep:
             raise StepDiscarded(self.num_steps + 1)
         return StepResult(
             step=self.num_steps,
-            loss_sums=tuple(loss_sums),
+            loss_sums=loss_sums,
             num_samples=num_samples,
             num_samples_global=window.num_samples,
             skipped=not stepped,
@@ -368,6 +361,16 @@ class TrainStep:
             phase_s=phase_s,
             loss_global=decision.loss_sum / max(decision.num_samples, 1),
         )
+
+
+def _loss_sums(losses: list[torch.Tensor], sizes: list[int]) -> DeviceValues:
+    """Each micro-step's mean loss times its samples, float64 on the device: bitwise the host's
+    ``float(loss) * n`` (a float64 product of the same two numbers), without a read."""
+    means = torch.stack(losses).reshape(len(losses)).double()
+    if len(set(sizes)) == 1:  # one scalar product (the usual case: equal micro-batches)
+        return DeviceValues(means * sizes[0])
+    products = [mean * n for mean, n in zip(means.unbind(0), sizes, strict=True)]
+    return DeviceValues(torch.stack(products))
 
 
 def _straggler_detector(

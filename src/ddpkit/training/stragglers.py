@@ -260,7 +260,17 @@ class StragglerDetector:
         if self._hosts is None:
             self._hosts = all_gather_object(socket.gethostname(), self.runtime)
         ranks = [
-            RankWindow(rank, self._hosts[rank], *row[:6], step=int(row[6]))
+            RankWindow(
+                rank,
+                self._hosts[rank],
+                data_s=row[0],
+                compute_s=row[1],
+                comm_wait_s=row[2],
+                step_s=row[3],
+                samples_per_s=row[4],
+                last_step_time=row[5],
+                step=int(row[6]),
+            )
             for rank, row in enumerate(table)
         ]
         self.last = ranks

@@ -31,6 +31,7 @@ from ddpkit.errors import ConfigError, DistributedError
 from ddpkit.parallel.local_sgd import is_local_sgd_model
 from ddpkit.runtime.collectives import gather_per_rank
 from ddpkit.runtime.process_group import Runtime
+from ddpkit.training.rules import join_with_local_sgd
 from ddpkit.training.stragglers import paused
 
 
@@ -52,7 +53,10 @@ def verify_even_batches(num_batches: int, runtime: Runtime) -> None:
         UnevenInputsError: ``uneven inputs: rank 0 has 5 batches, rank 1 has 4 ...``.
 
     Example:
-        >>> verify_even_batches(len(loader), rt)    # doctest: +SKIP
+        >>> verify_even_batches(len(loader), rt)  # silent: 4 batches on each rank
+        >>> verify_even_batches(4 + rt.rank, rt)
+        Traceback (most recent call last):
+        ddpkit.training.uneven.UnevenInputsError: uneven inputs: rank 0 has 4 batches, rank 1 ...
     """
     if runtime.world_size == 1:
         return
@@ -91,9 +95,10 @@ def join_uneven_inputs(
             waiting).
 
     Example:
-        >>> with join_uneven_inputs(ddp_model, rt):          # doctest: +SKIP
-        ...     for x, y in uneven_loader:
-        ...         ...
+        >>> uneven_batches = [(x, y)] * (2 + rt.rank)  # rank 1 has one batch more
+        >>> with join_uneven_inputs(ddp_model, rt):
+        ...     for x, y in uneven_batches:
+        ...         F.cross_entropy(ddp_model(x), y).backward()
     """
     if not enable or runtime.world_size == 1:
         return contextlib.nullcontext()
@@ -102,12 +107,9 @@ def join_uneven_inputs(
             f"join_uneven_inputs needs the DDP-wrapped model: got {type(model).__name__}. "
             "Pass the model returned by ddpkit.wrap_model(..., strategy='ddp')."
         )
-    if is_local_sgd_model(model):
-        raise ConfigError(
-            "join_uneven_inputs with local SGD: Join cannot stand "
-            "in for a finished rank in the parameter averaging, so the others would wait. Give "
-            "every rank the same number of batches (ddpkit.training.uneven.verify_even_batches)."
-        )
+    problem = join_with_local_sgd(True, None) if is_local_sgd_model(model) else None
+    if problem:
+        raise ConfigError(f"join_uneven_inputs: {problem}.")
     return _joined(model)
 
 

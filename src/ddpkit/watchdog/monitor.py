@@ -36,7 +36,7 @@ import threading
 import time
 import traceback
 import weakref
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
 
@@ -264,6 +264,7 @@ class Watchdog:
         clocks that differ between nodes do not matter.
         """
         keys = [f"beat/{r}" for r in range(self.info.world_size)]
+        values: Sequence[bytes | None]
         if self._store.check(keys):
             values = self._store.multi_get(keys)
         else:  # still starting: fetch the ones that exist

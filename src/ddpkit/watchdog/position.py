@@ -143,7 +143,8 @@ def _collective(frame: FrameType, state: str) -> Position:
     group = local.get("group")
     if group is None and dist.is_initialized():
         group = dist.group.WORLD
-    name, ranks, seq = "", (), None
+    name, seq = "", None
+    ranks: tuple[int, ...] = ()
     if isinstance(group, dist.ProcessGroup):
         name, ranks = group.group_name, tuple(dist.get_process_group_ranks(group))
         seq = sequence_number(group)
@@ -268,11 +269,11 @@ def _via(frame: FrameType | None) -> str:
 
 def _outermost_torch_distributed(frame: FrameType) -> str:
     name = frame.f_code.co_name
-    frame = frame.f_back
-    while frame is not None and frame.f_code.co_filename.startswith(_TORCH_DIR):
-        if frame.f_code.co_filename == _C10D and not frame.f_code.co_name.startswith("_"):
-            name = frame.f_code.co_name
-        frame = frame.f_back
+    caller = frame.f_back
+    while caller is not None and caller.f_code.co_filename.startswith(_TORCH_DIR):
+        if caller.f_code.co_filename == _C10D and not caller.f_code.co_name.startswith("_"):
+            name = caller.f_code.co_name
+        caller = caller.f_back
     return name
 
 

@@ -1,10 +1,16 @@
 """The settings of ``ddpkit train``: one :class:`TrainConfig` made of sections, and :func:`check`.
 
-Every flag of ``ddpkit train`` is a field here, declared once with its help, default, allowed
-values and (``resume=True``) whether a resumed run must keep it. The command-line flags, the
-``--config`` TOML file (one ``[section]`` per class below) and the resume-compatibility keys
-are all generated from these fields; every rule that ties two fields together is in
-:func:`check`.
+Every flag of ``ddpkit train`` is a field of a section, declared once with its help, default,
+allowed values and (``resume=True``) whether a resumed run must keep it. The sections of what
+the library configures live next to it and are composed here: the processes
+(:class:`~ddpkit.launch.config.LaunchConfig`, whose flags ``ddpkit run`` has too), the process
+group (:class:`~ddpkit.runtime.config.RuntimeConfig`) and the checkpoints
+(:class:`~ddpkit.checkpoint.config.CheckpointConfig`); the job's own are below. The
+command-line flags, the ``--config`` TOML file (one ``[section]`` per class) and the
+resume-compatibility keys are all generated from these fields. :func:`check` applies every
+rule that ties two fields together: the library's own (:func:`~ddpkit.launch.config.launch_rules`,
+:func:`~ddpkit.checkpoint.config.checkpoint_rules`, :mod:`ddpkit.training.rules`), so the
+command says what the library would, and the job's.
 
 Example::
 
@@ -18,14 +24,16 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ddpkit.app.mnist.choices import DATASETS, OPTIMIZERS, PROGRESS_MODES, TENSORBOARD_MODES
+from ddpkit.checkpoint.config import CheckpointConfig, checkpoint_rules
 from ddpkit.errors import ConfigError
 from ddpkit.files import unwritable_ancestor
+from ddpkit.launch.config import LaunchConfig, launch_rules
 from ddpkit.monitoring.trackers import check_tracker_names
 from ddpkit.parallel.choices import GRAD_COMPRESSIONS, STRATEGIES
-from ddpkit.runtime.choices import BACKENDS
-from ddpkit.runtime.signals import parse_stop_signals
+from ddpkit.runtime.config import RuntimeConfig
 from ddpkit.settings import at_least, field_problems, finite, option, resume_keys
 from ddpkit.training.choices import PRECISIONS
+from ddpkit.training.rules import join_with_local_sgd, static_graph_with_accumulation
 
 COMPILE_BACKENDS = ("inductor", "aot_eager", "eager")
 
@@ -39,19 +47,6 @@ def _output_dir_rule(path: str) -> str | None:
     if why == "not a folder":
         return f"is not usable: {probe} is a file, not a folder"
     return f"is not writable (no write permission on {probe})"
-
-
-def _stall_rule(seconds: float) -> str | None:
-    ok = seconds == 0 or (seconds >= 2 and seconds != float("inf"))
-    return None if ok else "must be 0 (off) or a finite number >= 2 (seconds)"
-
-
-def _stop_signals_rule(value: str) -> str | None:
-    try:
-        parse_stop_signals(value)
-    except ConfigError:
-        return "must be signal names such as SIGTERM,SIGUSR1 (not SIGKILL/SIGSTOP), or none"
-    return None
 
 
 def _straggler_window_rule(steps: int) -> str | None:
@@ -68,11 +63,6 @@ def _tracker_rule(value: str) -> str | None:
     except ConfigError as error:
         return f"is not usable: {str(error).rstrip('.')}"
     return None
-
-
-def _resume_rule(value: str) -> str | None:
-    ok = value in ("", "auto") or Path(value).is_dir()
-    return None if ok else "is neither '' (start fresh), 'auto' nor a checkpoint folder"
 
 
 @dataclass(frozen=True)
@@ -137,89 +127,6 @@ class DataConfig:
         True,
         "never download MNIST; use the cache or --data-dir (in --config: download = false)",
         flag="--no-download",
-    )
-
-
-@dataclass(frozen=True)
-class LaunchConfig:
-    """the local processes"""
-
-    nproc: int | None = option(
-        None,
-        "local processes (default: one per GPU on CUDA, else 2)",
-        check=at_least(1),
-        metavar="N",
-    )
-    max_restarts: int = option(
-        0,
-        "restart all ranks up to R times after a failure; with --checkpoint-every they "
-        "resume from the newest complete checkpoint (default %(default)s)",
-        check=at_least(0),
-        metavar="R",
-    )
-    grace_period: int = option(
-        30,
-        "after a stop signal, seconds every rank has to finish its step and write the "
-        "checkpoint before it is killed (torchrun's --shutdown-timeout; default %(default)s)",
-        check=at_least(1),
-        metavar="SECONDS",
-    )
-    stop_signals: str = option(
-        "SIGTERM,SIGINT,SIGUSR1",
-        "signals that stop every rank after the same step, with a "
-        "checkpoint at it (default %(default)s; none = the signals' usual effect)",
-        check=_stop_signals_rule,
-        metavar="SIGNALS",
-    )
-    fault_tolerance: str = option(
-        "restart",
-        "restart: a failed rank stops every rank (restarted with --max-restarts from "
-        "the newest checkpoint); live: the others keep training and a replacement (up to "
-        "--max-restarts, default 3 here) heals from them (docs/fault-tolerance.md; ddp only)",
-        choices=("restart", "live"),
-    )
-    spares: int = option(
-        0,
-        "live: warm spare processes (torch already imported) that take over lost ranks",
-        check=at_least(0),
-        metavar="S",
-    )
-    heartbeat_timeout: float = option(
-        10.0,
-        "live: a rank whose heartbeat stops this long (SIGSTOP, a frozen host) is ended "
-        "and its peers go on (default %(default)s)",
-        check=finite(above=1),
-        metavar="SECONDS",
-    )
-
-
-@dataclass(frozen=True)
-class RuntimeConfig:
-    """the process group and its watchdog"""
-
-    backend: str = option(
-        "auto", "auto: nccl when each local rank has a GPU, else gloo", choices=BACKENDS
-    )
-    init_timeout: float = option(
-        300.0,
-        "how long ranks wait for each other to join (default %(default)s)",
-        check=finite(above=0),
-        metavar="SECONDS",
-    )
-    train_timeout: float = option(
-        1800.0,
-        "how long one collective may wait (default %(default)s)",
-        check=finite(above=0),
-        metavar="SECONDS",
-    )
-    stall_timeout: float = option(
-        300.0,
-        "watchdog: a rank waiting in a collective longer than this while another rank "
-        "runs other code ends the job with a report naming the busy rank and its Python stack; "
-        "ranks stuck in collectives that cannot match end it after 5 s (default %(default)s; "
-        "0 = watchdog off)",
-        check=_stall_rule,
-        metavar="SECONDS",
     )
 
 
@@ -370,39 +277,6 @@ class GuardConfig:
 
 
 @dataclass(frozen=True)
-class CheckpointConfig:
-    """checkpoints and resuming"""
-
-    checkpoint_every: int = option(
-        0,
-        "save a checkpoint to OUTPUT_DIR/checkpoints every STEPS optimizer steps "
-        "(0 = never; keeps the last 3)",
-        check=at_least(0),
-        metavar="STEPS",
-    )
-    async_checkpoint: bool = option(
-        False,
-        "fsdp/zero1: write each checkpoint's shards in a background thread "
-        "(torch.distributed.checkpoint.async_save); the save is committed at the next one or "
-        "at the end of training, so the loop waits only for the copy to CPU memory",
-    )
-    resume: str = option(
-        "",
-        "resume from the newest complete checkpoint in OUTPUT_DIR (auto) or from PATH; "
-        "another --nproc keeps the checkpoint's global batch (per-rank batch and micro-steps "
-        "chosen again, said in one line)",
-        check=_resume_rule,
-        metavar="auto|PATH",
-    )
-    unsafe_pickle: bool = option(
-        False,
-        "UNSAFE: resume by unpickling any object a checkpoint holds, running whatever "
-        "code it says (only for checkpoints you wrote and trust); default: tensors, numbers, "
-        "strings, containers and numpy arrays only",
-    )
-
-
-@dataclass(frozen=True)
 class ObserveConfig:
     """watching a run"""
 
@@ -538,7 +412,15 @@ def check(config: TrainConfig, *, world_size: int | None = None) -> None:
     problems = field_problems(config)
     if not problems:  # the rules below compare values that are each valid
         size = world_size if world_size is not None else config.nproc
-        rules = (_step_rules, _local_sgd_rules, _compile_rules, _live_rules, _monitoring_rules)
+        rules = (
+            launch_rules,
+            checkpoint_rules,
+            _step_rules,
+            _local_sgd_rules,
+            _compile_rules,
+            _live_rules,
+            _monitoring_rules,
+        )
         problems = [p for rule in rules for p in rule(config)]
         problems += _strategy_rules(config, size) if size is not None else []
     if problems:
@@ -562,12 +444,8 @@ def _step_rules(c: TrainConfig) -> list[str]:
             "skips overflowed steps on every rank and lowers the scale. Set on_nonfinite='off' "
             "(--on-nonfinite off) with 16-mixed"
         )
-    if c.static_graph and c.grad_accum > 1:
-        problems.append(
-            f"static_graph=True with grad_accum={c.grad_accum}. torch's DDP breaks no_sync in "
-            "static-graph mode (pytorch/pytorch#143580). Drop static_graph or set grad_accum=1"
-        )
-    return problems
+    static = static_graph_with_accumulation(c.static_graph, c.grad_accum, name="grad_accum")
+    return problems + ([static] if static else [])
 
 
 def _compile_rules(c: TrainConfig) -> list[str]:
@@ -609,11 +487,8 @@ def _local_sgd_rules(c: TrainConfig) -> list[str]:
             f"{pair} static_graph=True. DDP fails in static-graph mode with gradient sync off, "
             "and the static graph only speeds up the sync local SGD skips. Drop static_graph"
         )
-    if c.join:
-        problems.append(
-            f"{pair} join=True. Join cannot stand in for a finished rank in local SGD's "
-            "parameter averaging. Pick one"
-        )
+    join = join_with_local_sgd(c.join, c.sync_every)
+    problems += [join] if join else []
     for name in ("check_replicas_every", "checkpoint_every"):
         if getattr(c, name) % c.sync_every:
             problems.append(
@@ -628,14 +503,7 @@ def _live_rules(c: TrainConfig) -> list[str]:
     """Live fault tolerance trains plain data-parallel replicas (gradients all-reduced by the
     step, not DDP): what it does not take."""
     if c.fault_tolerance != "live":
-        return (
-            [
-                f"spares={c.spares} with fault_tolerance='restart'. Spares take over lost ranks "
-                "of a live job only. Add --fault-tolerance live, or drop --spares"
-            ]
-            if c.spares
-            else []
-        )
+        return []
     given = {
         "strategy": c.strategy not in ("auto", "ddp"),
         "grad_compression": c.grad_compression != "none",
@@ -700,12 +568,6 @@ def _sharded_rules(c: TrainConfig, strategy: str) -> list[str]:
             f"async_checkpoint=True with strategy={strategy!r}. Only sharded checkpoints "
             "(fsdp, zero1) are written in the background. Use one of them, or drop "
             "--async-checkpoint"
-        )
-    elif c.async_checkpoint and not c.checkpoint_every:
-        problems.append(
-            "async_checkpoint=True with checkpoint_every=0. Only the periodic checkpoints are "
-            "written in the background (a stop's checkpoint is committed before the exit). Add "
-            "--checkpoint-every STEPS, or drop --async-checkpoint"
         )
     if not c.reshard_after_forward and strategy != "fsdp":
         problems.append(

@@ -70,7 +70,14 @@ DEFAULT_EPOCHS = {"mnist": 1, "digits": 20}
 # torch 2.13.0+cpu, gloo, batch 64). MNIST: 722-727 MiB (the 60,000 training images as float32
 # are 188 MB of it); digits: 280-285 MiB. The launcher refuses an --nproc that cannot fit.
 RANK_MEMORY_MIB = {"mnist": 730.0, "digits": 290.0}
-_IDX_DTYPES = {0x08: np.uint8, 0x09: np.int8, 0x0B: ">i2", 0x0C: ">i4", 0x0D: ">f4", 0x0E: ">f8"}
+_IDX_DTYPES: dict[int, type[np.generic] | str] = {
+    0x08: np.uint8,
+    0x09: np.int8,
+    0x0B: ">i2",
+    0x0C: ">i4",
+    0x0D: ">f4",
+    0x0E: ">f8",
+}
 
 
 def default_cache_dir() -> Path:

@@ -48,11 +48,14 @@ class EpochMeter:
             resumed from a checkpoint saved without :meth:`sync`).
 
     Example:
-        >>> meter.start(epoch, step)                      # doctest: +SKIP
+        >>> meter = EpochMeter()
+        >>> ckpt = CheckpointManager("ckpt", rt, state={"meter": meter}, every_steps=2)
+        >>> meter.start(1, ckpt.resume())  # epoch 1, from the checkpoint's step (0: none)
         >>> for result in train_epoch(train_step, loader):
         ...     meter.add(result)
-        ...     ckpt.maybe_save(result.step)  # a save syncs the meter first
-        >>> figures = meter.finish(runtime, step)
+        ...     folder = ckpt.maybe_save(result.step)  # a save syncs the meter first
+        >>> meter.finish(rt, result.step)["num_samples"]  # 2 ranks x 4 batches x 4
+        32.0
     """
 
     def __init__(self) -> None:

@@ -89,16 +89,16 @@ class Exporters:
     def _on_window(self, ranks: list[RankWindow]) -> None:
         server = self.server
         assert server is not None and self._detector is not None
-        for rank in ranks:
-            phases = {"data": rank.data_s, "compute": rank.compute_s}
-            phases |= {"comm_wait": rank.comm_wait_s, "step": rank.step_s}
+        for window in ranks:
+            phases = {"data": window.data_s, "compute": window.compute_s}
+            phases |= {"comm_wait": window.comm_wait_s, "step": window.step_s}
             server.update_rank(
-                rank.rank,
-                rank.host,
-                step=rank.step,
-                samples_per_s=rank.samples_per_s,
+                window.rank,
+                window.host,
+                step=window.step,
+                samples_per_s=window.samples_per_s,
                 phases=phases,
-                last_step_time=rank.last_step_time,
+                last_step_time=window.last_step_time,
             )
         flagged = {(s.rank, s.host, s.phase) for s in self._detector.active()}
         for rank, host, phase in flagged - self._flagged:

@@ -12,12 +12,11 @@ import contextlib
 import dataclasses
 import math
 import os
-import signal
 import time
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 from torch import nn
@@ -33,10 +32,9 @@ from ddpkit.app.mnist.monitor import TrainingMonitor
 from ddpkit.app.mnist.outputs import checkpoint_folder, finite_or_none, reset_outputs
 from ddpkit.app.mnist.resume import BatchPlan, checkpoint_settings, plan_batch
 from ddpkit.app.mnist.schedule import LRStepper
-from ddpkit.app.mnist.stopping import check_grace_period, slow_evaluation
+from ddpkit.app.mnist.stopping import check_grace_period
 from ddpkit.checkpoint.manager import CheckpointManager
 from ddpkit.data.sampler import ShardedLoader, build_eval_loader, build_train_loader
-from ddpkit.errors import ConfigError
 from ddpkit.files import write_json_atomic
 from ddpkit.guards.nonfinite import NonFiniteError, NonFiniteGuard, check_replicas
 from ddpkit.log import get_logger
@@ -53,7 +51,8 @@ from ddpkit.training.precision import MixedPrecision
 from ddpkit.training.step import TrainStep
 from ddpkit.training.stragglers import StragglerDetector
 
-FAULT_ENV = "DDPKIT_FAULT_INJECT"
+if TYPE_CHECKING:
+    from torch.distributed.optim import PostLocalSGDOptimizer
 
 
 def build_model_and_optimizer(
@@ -136,30 +135,6 @@ def _build_fsdp(
     return model, optimizer, optimizer, None
 
 
-def _fault_injection(runtime: Runtime) -> int:
-    """Step at which this rank kills itself, from ``DDPKIT_FAULT_INJECT=RANK:STEP`` (0 = never).
-
-    A testing hook for restarts: it fires only in the first attempt (restart count 0).
-
-    Raises:
-        ConfigError: the variable is not ``RANK:STEP`` with a rank of this job.
-    """
-    spec = os.environ.get(FAULT_ENV, "")
-    if not spec:
-        return 0
-    try:
-        rank, step = (int(part) for part in spec.split(":"))
-    except ValueError:
-        rank = step = -1
-    if not (0 <= rank < runtime.world_size and step > 0):
-        raise ConfigError(
-            f"invalid {FAULT_ENV}={spec!r}: expected RANK:STEP with 0 <= RANK < "
-            f"{runtime.world_size} and STEP >= 1, e.g. 1:10. Unset it to train normally."
-        )
-    first_attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
-    return step if first_attempt and rank == runtime.rank else 0
-
-
 def _ddp_options(config: TrainConfig, runtime: Runtime) -> dict:
     """DDP keyword arguments from the config (none at world size 1, where there is no DDP,
     nor with live fault tolerance, whose replicas are plain modules)."""
@@ -232,7 +207,10 @@ class MnistTraining:
     @property
     def averager(self) -> Any:
         """Local SGD's parameter averager, or ``None`` (gradients all-reduced every step)."""
-        return self.optimizer.averager if self.optimizer is not self.inner_optimizer else None
+        if self.optimizer is self.inner_optimizer:
+            return None
+        # build_model_and_optimizer wraps the inner optimizer only for local SGD
+        return cast("PostLocalSGDOptimizer", self.optimizer).averager
 
 
 def build_training(
@@ -370,7 +348,6 @@ def train_mnist(config: TrainConfig, runtime: Runtime, source: DataSource) -> di
     """
     start = time.perf_counter()
     output_dir = Path(config.output_dir)
-    kill_at = _fault_injection(runtime)
     check(config, world_size=runtime.world_size)
     plan = plan_batch(config, runtime.world_size)  # a resume keeps its global batch
     config = dataclasses.replace(config, batch_size=plan.batch_size, grad_accum=plan.grad_accum)
@@ -389,7 +366,7 @@ def train_mnist(config: TrainConfig, runtime: Runtime, source: DataSource) -> di
         with _where_it_stopped(config, job, train_step, monitor):
             job.ckpt.maybe_save(first_step)  # a stop signal now waits for a step boundary
             test, train_time_s, samples_total = _train_epochs(
-                config, runtime, job, train_step, monitor, kill_at
+                config, runtime, job, train_step, monitor
             )
         job.ckpt.wait()  # --async-checkpoint: the last save committed (a no-op otherwise)
         if test is None:  # resumed from a checkpoint taken at the very end: evaluate it
@@ -491,11 +468,13 @@ def _where_it_stopped(
     """A stop signal's (#14) or Ctrl-C's (#16) step and epoch, for the launcher's one line;
     the tracker runs of a stopped job end as KILLED (any other error: FAILED, by
     ``Exporters.closed_on_error`` around the whole job)."""
+    goodput = job.goodput
+    assert goodput is not None  # train_mnist sets it before training
     try:
         yield
     except TrainingStopped as stopped:
         stopped.note = _epoch_note(config, job, train_step)
-        job.goodput.finish("stopped", job.ckpt.save_s)
+        goodput.finish("stopped", job.ckpt.save_s)
         monitor.exporters.close("KILLED")
         raise
     except KeyboardInterrupt:
@@ -518,17 +497,18 @@ def _train_epochs(
     job: MnistTraining,
     train_step: TrainStep,
     monitor: TrainingMonitor,
-    kill_at: int,
 ) -> tuple[dict | None, float, float]:
     """The remaining epochs, each evaluated and recorded; returns ``(last test metrics, training
     seconds, training samples)``. Collective: call on every rank."""
+    goodput = job.goodput
+    assert goodput is not None  # train_mnist sets it before training
     train_time_s = samples_total = 0.0
     test = None
     while job.train_loader.epoch < config.epochs:
         epoch = job.train_loader.epoch + 1
         epoch_bytes, epoch_first_step = _comm_bytes(job.comm_stats), train_step.num_steps
         monitor.start_epoch(epoch, config.epochs, job.train_loader)
-        figures = _train_one_epoch(config, runtime, job, train_step, monitor, kill_at)
+        figures = _train_one_epoch(config, runtime, job, train_step, monitor)
         train_loss, num_samples = figures["train_loss"], figures["num_samples"]
         epoch_s = figures["epoch_s"]  # training seconds of the epoch, across a restart
         monitor.close_bar()
@@ -539,9 +519,8 @@ def _train_epochs(
         train_time_s += epoch_s
         samples_total += num_samples
         eval_start = time.perf_counter()
-        slow_evaluation()  # a testing hook (DDPKIT_TEST_SLOW_EVAL_S)
         test = evaluate(job.model, job.test_loader, runtime)
-        job.goodput.add_evaluation(time.perf_counter() - eval_start)
+        goodput.add_evaluation(time.perf_counter() - eval_start)
         record = {
             "epoch": epoch,
             "train_loss": train_loss,
@@ -560,7 +539,7 @@ def _train_epochs(
             "whole_epoch": figures["whole_epoch"],
         }
         _log_epoch(record, config.epochs, coverage_note(figures, train_step.num_steps))
-        monitor.end_epoch(record, train_step.num_steps, goodput=job.goodput.so_far())
+        monitor.end_epoch(record, train_step.num_steps, goodput=goodput.so_far())
     return test, train_time_s, samples_total
 
 
@@ -570,13 +549,14 @@ def _train_one_epoch(
     job: MnistTraining,
     train_step: TrainStep,
     monitor: TrainingMonitor,
-    kill_at: int,
 ) -> dict[str, Any]:
     """One pass (after a resume: the rest of it), step by step; returns the whole epoch's
     figures (:meth:`EpochMeter.finish`). Collective: call on every rank."""
     model, comm_stats, averager, meter = job.model, job.comm_stats, job.averager, job.meter
+    goodput = job.goodput
+    assert goodput is not None  # train_mnist sets it before training
     meter.start(job.train_loader.epoch + 1, train_step.num_steps)
-    job.goodput.start_steps()
+    goodput.start_steps()
     for result in train_epoch(train_step, job.train_loader, join=config.join):
         step = result.step
         position = job.train_loader.state_dict() if job.lr_stepper.by_position else {}
@@ -584,12 +564,10 @@ def _train_one_epoch(
         meter.add(result)
         if comm_stats is not None:
             comm_stats.count_builtin_sync()  # the last backward synced (skipped or not)
-        if step == kill_at:  # DDPKIT_FAULT_INJECT: this rank dies here (restart tests)
-            os.kill(os.getpid(), signal.SIGKILL)
         if config.check_replicas_every and step % config.check_replicas_every == 0:
             if averager is None or averager.just_averaged:  # local SGD: equal only then
                 check_replicas(model, runtime, step=step)
-        job.goodput.on_step(step, job.ckpt.save_s)  # the step is trained: record it first
+        goodput.on_step(step, job.ckpt.save_s)  # the step is trained: record it first
         job.ckpt.maybe_save(step)  # also at a step the ranks agreed to stop at (a signal);
         # every save first folds the ranks' epoch sums (EpochMeter.before_checkpoint)
         monitor.on_step(step, result)

@@ -22,6 +22,7 @@ from ddpkit.data.sampler import ShardedLoader
 from ddpkit.log import get_logger
 from ddpkit.runtime.collectives import all_reduce_sum
 from ddpkit.runtime.process_group import Runtime
+from ddpkit.training.device_values import DeviceSum, sequential_sum
 from ddpkit.training.observe import StepTimer
 from ddpkit.training.step import StepResult
 from ddpkit.training.stragglers import RankWindow, StragglerDetector
@@ -120,7 +121,8 @@ class TrainingMonitor:
         self.exporters = exporters or Exporters.off(runtime)
         self.bar: Any = None
         self.epoch = 0
-        self._since_log = [0.0, 0.0]  # this rank's loss sum and samples since the last record
+        # this rank's loss sum (on the device: read once per record) and samples since the last
+        self._since_loss, self._since_samples = DeviceSum(), 0.0
         self._log_mark = (time.perf_counter(), 0)  # (time, timer.num_samples) at the last record
 
     def watch_ranks(self, detector: StragglerDetector | None) -> None:
@@ -152,13 +154,14 @@ class TrainingMonitor:
         """
         timer = self.timer
         self.exporters.on_step(result)
-        self._since_log[0] += result.loss_sum
-        self._since_log[1] += result.num_samples
+        self._since_loss.add(sequential_sum(result.loss_sums_tensor))  # += result.loss_sum
+        self._since_samples += result.num_samples
         if self.bar is not None:
             self.bar.update(timer.num_samples - self.bar.n)
         if not self.log_every or step % self.log_every:
             return
-        loss_sum, num_samples = all_reduce_sum(self._since_log, self.runtime).tolist()
+        since = [self._since_loss.value(), self._since_samples]  # the interval's one read
+        loss_sum, num_samples = all_reduce_sum(since, self.runtime).tolist()
         now = time.perf_counter()
         mark_time, mark_samples = self._log_mark
         record = {
@@ -168,7 +171,7 @@ class TrainingMonitor:
             "samples_per_s": (timer.num_samples - mark_samples) / max(now - mark_time, 1e-9),
             "lr": float(self.optimizer.param_groups[0]["lr"]),
         }
-        self._since_log = [0.0, 0.0]
+        self._since_loss, self._since_samples = DeviceSum(), 0.0
         self._log_mark = (now, timer.num_samples)
         if self.runtime.is_rank_zero:
             append_record(self.output_dir, "steps", record)

@@ -12,6 +12,7 @@ import csv
 import io
 import json
 import math
+import os
 import shutil
 from pathlib import Path
 
@@ -27,7 +28,7 @@ def finite_or_none(value: float) -> float | None:
     return value if math.isfinite(value) else None  # JSON has no NaN/Inf
 
 
-def checkpoint_folder(output_dir: str | Path) -> Path:
+def checkpoint_folder(output_dir: str | os.PathLike[str]) -> Path:
     """Where ``ddpkit train`` keeps the checkpoints of the run in ``output_dir``."""
     return Path(output_dir) / "checkpoints"
 

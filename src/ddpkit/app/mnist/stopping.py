@@ -8,9 +8,8 @@ throwaway write of the job's state at start-up and says, in one line, when the t
 
 from __future__ import annotations
 
-import os
 import sys
-import time
+from typing import Any
 
 import torch
 
@@ -21,8 +20,6 @@ from ddpkit.checkpoint.sharded import sharded_entries
 from ddpkit.parallel.wrap import model_state_dict
 from ddpkit.runtime.process_group import Runtime
 from ddpkit.runtime.stop import MAX_CHECK_GAP_S, grace_period_s
-
-SLOW_EVAL_ENV = "DDPKIT_TEST_SLOW_EVAL_S"  # a testing hook: each evaluation waits this long
 
 
 def grace_warning(save_s: float, grace_s: float) -> str | None:
@@ -65,8 +62,9 @@ def check_grace_period(ckpt: CheckpointManager, runtime: Runtime) -> float | Non
     return save_s
 
 
-def _local_state(obj: object, sharded: bool) -> object:
-    """What rank 0 itself writes of one entry: the whole state, or its own shard."""
+def _local_state(obj: Any, sharded: bool) -> object:
+    """What rank 0 itself writes of one entry (a checkpoint's ``state`` value: a module, an
+    optimizer, any object with ``state_dict()``): the whole state, or its own shard."""
     if not sharded:
         return model_state_dict(obj) if isinstance(obj, torch.nn.Module) else obj.state_dict()
     if is_zero_optimizer(obj):
@@ -80,9 +78,3 @@ def _to_local(value: object) -> object:
     if isinstance(value, list | tuple):
         return type(value)(_to_local(item) for item in value)
     return value.to_local() if hasattr(value, "to_local") else value
-
-
-def slow_evaluation() -> None:
-    """Tests: wait ``DDPKIT_TEST_SLOW_EVAL_S`` seconds before an evaluation (to signal in it)."""
-    if os.environ.get(SLOW_EVAL_ENV):
-        time.sleep(float(os.environ[SLOW_EVAL_ENV]))
