@@ -26,11 +26,12 @@ LAYERS = (
     ("live",),  # live fault tolerance: the worker's membership and the launcher's lighthouse
     ("runtime",),  # the process group, rendezvous, collectives, the agreed stop
     ("data",),  # sharded samplers and loaders, seeding, the same-data check
+    # step timing, the slow rank named, the Prometheus endpoint, experiment trackers
+    ("monitoring",),
     ("guards",),
     ("parallel",),
     ("training",),
     ("checkpoint",),
-    ("monitoring",),  # Prometheus endpoint and experiment trackers (optional libraries)
     ("__init__",),
     ("launch",),  # ddpkit run, the worker bootstrap, the process spawner, doctor
     ("app",),  # the MNIST job of ddpkit train

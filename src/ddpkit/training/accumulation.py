@@ -43,11 +43,11 @@ from torch import nn
 
 from ddpkit.data.sampler import ShardedLoader
 from ddpkit.errors import ConfigError, DistributedError
+from ddpkit.monitoring.observe import StepTimer
 from ddpkit.parallel.fsdp import gradient_sync_off
 from ddpkit.runtime.collectives import all_reduce_sum
 from ddpkit.runtime.process_group import Runtime
 from ddpkit.training.dynamic import UnusedParameterDiagnosis
-from ddpkit.training.observe import StepTimer
 from ddpkit.training.precision import MixedPrecision
 from ddpkit.training.rules import static_graph_with_accumulation
 

@@ -30,6 +30,8 @@ from torch.nn import functional as F
 from ddpkit.errors import ConfigError
 from ddpkit.guards.nonfinite import NonFiniteGuard
 from ddpkit.live.outcomes import StepDiscarded
+from ddpkit.monitoring.observe import StepTimer
+from ddpkit.monitoring.stragglers import StragglerDetector
 from ddpkit.parallel.live import all_reduce_gradients, stepping
 from ddpkit.parallel.strategy import wrapped_strategy
 from ddpkit.runtime.process_group import Runtime
@@ -39,9 +41,7 @@ from ddpkit.training.accumulation import (
     default_num_samples,
 )
 from ddpkit.training.device_values import DeviceValues, values_tensor
-from ddpkit.training.observe import StepTimer
 from ddpkit.training.precision import MixedPrecision
-from ddpkit.training.stragglers import StragglerDetector
 
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
@@ -54,9 +54,10 @@ class StepResult:
         step: the optimizer step's number, from 1 (counting on from ``start_step``); taken or
             skipped, every step counts.
         loss_sums: per micro-step, this rank's micro-batch mean loss times its samples
-            (float64). From :class:`TrainStep` a :class:`~ddpkit.training.device_values.
-            DeviceValues`: it stays on the device until read (the first read copies all K
-            values to the host at once, one sync); :attr:`loss_sums_tensor` never reads.
+            (float64). From :class:`TrainStep` it is a
+            :class:`~ddpkit.training.device_values.DeviceValues`: it stays on the device until
+            read (the first read copies all K values to the host, one sync);
+            :attr:`loss_sums_tensor` never reads.
         num_samples: this rank's samples in the step (all its micro-batches).
         num_samples_global: every rank's samples in the step (the loss normaliser).
         skipped: the optimizer did not step: the non-finite guard or the 16-mixed loss scaler
@@ -148,8 +149,8 @@ class TrainStep:
         same_batch_sizes: see :class:`~ddpkit.GradientAccumulator`.
         num_samples_fn: see :class:`~ddpkit.GradientAccumulator`.
         stragglers: name a rank whose data loading or compute is persistently slower than the
-            others' (:mod:`ddpkit.training.stragglers`): ``True`` (default) builds a
-            :class:`~ddpkit.training.stragglers.StragglerDetector` with its defaults; pass one
+            others' (:mod:`ddpkit.monitoring.stragglers`): ``True`` (default) builds a
+            :class:`~ddpkit.monitoring.stragglers.StragglerDetector` with its defaults; pass one
             to set its rule; ``False``: off. Off whatever is passed at world size 1 and with
             live fault tolerance.
 
@@ -366,7 +367,7 @@ class TrainStep:
 def _loss_sums(losses: list[torch.Tensor], sizes: list[int]) -> DeviceValues:
     """Each micro-step's mean loss times its samples, float64 on the device: bitwise the host's
     ``float(loss) * n`` (a float64 product of the same two numbers), without a read."""
-    means = torch.stack(losses).reshape(len(losses)).double()
+    means = torch.stack([loss.reshape(()) for loss in losses]).double()
     if len(set(sizes)) == 1:  # one scalar product (the usual case: equal micro-batches)
         return DeviceValues(means * sizes[0])
     products = [mean * n for mean, n in zip(means.unbind(0), sizes, strict=True)]

@@ -28,11 +28,11 @@ from torch.distributed.algorithms import Join
 from torch.nn.parallel import DistributedDataParallel
 
 from ddpkit.errors import ConfigError, DistributedError
+from ddpkit.monitoring.stragglers import paused
 from ddpkit.parallel.local_sgd import is_local_sgd_model
 from ddpkit.runtime.collectives import gather_per_rank
 from ddpkit.runtime.process_group import Runtime
 from ddpkit.training.rules import join_with_local_sgd
-from ddpkit.training.stragglers import paused
 
 
 class UnevenInputsError(DistributedError):
@@ -81,7 +81,7 @@ def join_uneven_inputs(
 
     Collective: enter and leave on every rank. At world size 1 (no DDP) it is a plain context.
     No other collective may run per step inside: the straggler detector's exchange is paused
-    (:func:`ddpkit.training.stragglers.paused`).
+    (:func:`ddpkit.monitoring.stragglers.paused`).
 
     Args:
         model: the DDP-wrapped model.

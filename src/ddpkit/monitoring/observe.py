@@ -24,7 +24,7 @@ Inside ``backward_comm``, the part spent waiting for the other ranks (``comm_wai
 apart when :meth:`StepTimer.watch_gradients` hooked the model's parameters: the wait runs from
 the moment this rank's last gradient was accumulated (its own backward is done; DDP's last
 bucket is launched) to the end of backward (DDP's all-reduce finished). The straggler detector
-(:mod:`ddpkit.training.stragglers`) reads it from each step's split.
+(:mod:`ddpkit.monitoring.stragglers`) reads it from each step's split.
 
 Cost: on CPU a ``time.perf_counter`` pair per phase (well under a microsecond) and one Python
 hook call per parameter per backward (about a microsecond each). On CUDA the kernels are

@@ -50,9 +50,9 @@ from typing import Any
 import torch
 
 from ddpkit.log import get_logger
+from ddpkit.monitoring.observe import COMM_WAIT, PHASES, WeakHook
 from ddpkit.runtime.collectives import all_gather_object, gather_per_rank
 from ddpkit.runtime.process_group import Runtime
-from ddpkit.training.observe import COMM_WAIT, PHASES, WeakHook
 
 JUDGED = ("data", "compute")  # the phases a rank can be named for
 WHAT = {"data": "data loading", "compute": "compute (forward, backward, optimizer)"}
