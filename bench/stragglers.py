@@ -28,8 +28,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
 import ddpkit  # noqa: E402
 from ddpkit.app.mnist.model import build_model  # noqa: E402
+from ddpkit.monitoring.stragglers import StragglerDetector  # noqa: E402
 from ddpkit.testing import run_distributed  # noqa: E402
-from ddpkit.training.stragglers import StragglerDetector  # noqa: E402
 
 BATCH = 64
 

@@ -49,6 +49,8 @@ if TYPE_CHECKING:  # what type checkers and IDEs see; at run time, __getattr__ b
     from ddpkit.guards.replicas import ReplicaDivergenceError, check_replicas
     from ddpkit.guards.wrapped import WrappedModelError
     from ddpkit.log import configure_logging, get_logger
+    from ddpkit.monitoring.observe import StepTimer, peak_memory_mb
+    from ddpkit.monitoring.stragglers import StragglerDetector
     from ddpkit.parallel.comm import CommStats
     from ddpkit.parallel.local_sgd import enable_local_sgd
     from ddpkit.parallel.strategy import (
@@ -78,10 +80,8 @@ if TYPE_CHECKING:  # what type checkers and IDEs see; at run time, __getattr__ b
     from ddpkit.training.dynamic import UnusedParameterDiagnosis, UnusedParameterError
     from ddpkit.training.evaluate import evaluate
     from ddpkit.training.loop import train_epoch
-    from ddpkit.training.observe import StepTimer, peak_memory_mb
     from ddpkit.training.precision import MixedPrecision
     from ddpkit.training.step import StepResult, TrainStep
-    from ddpkit.training.stragglers import StragglerDetector
     from ddpkit.training.uneven import UnevenInputsError, join_uneven_inputs, verify_even_batches
     from ddpkit.watchdog.monitor import DeadlockError, StallError
     from ddpkit.wrappers import unwrap_model
@@ -182,8 +182,8 @@ _API_MODULES = {
     "Single": "ddpkit.parallel.strategy",
     "StallError": "ddpkit.watchdog.monitor",
     "StepResult": "ddpkit.training.step",
-    "StepTimer": "ddpkit.training.observe",
-    "StragglerDetector": "ddpkit.training.stragglers",
+    "StepTimer": "ddpkit.monitoring.observe",
+    "StragglerDetector": "ddpkit.monitoring.stragglers",
     "Strategy": "ddpkit.parallel.strategy",
     "TrainStep": "ddpkit.training.step",
     "TrainingStopped": "ddpkit.runtime.stop",
@@ -214,7 +214,7 @@ _API_MODULES = {
     "join_uneven_inputs": "ddpkit.training.uneven",
     "load_model_state": "ddpkit.checkpoint.state",
     "model_state_dict": "ddpkit.parallel.wrap",
-    "peak_memory_mb": "ddpkit.training.observe",
+    "peak_memory_mb": "ddpkit.monitoring.observe",
     "resolve_backend": "ddpkit.runtime.process_group",
     "train_epoch": "ddpkit.training.loop",
     "unwrap_model": "ddpkit.wrappers",

@@ -183,6 +183,7 @@ def test_a_pickle_written_into_the_rendezvous_store_never_runs(tmp_path, token):
     assert not any(pid_alive(pid) for pid in workers)
 
 
+@pytest.mark.slow  # a process importing torch: out of the inner loop
 def test_a_second_train_on_a_running_jobs_folder_is_refused_before_any_worker_starts(
     tmp_path, mnist_dir
 ):

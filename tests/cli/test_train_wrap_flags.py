@@ -47,7 +47,7 @@ NUM_CUDA = torch.cuda.device_count() if torch.cuda.is_available() else 0
         ),
         (
             ["--reshard-after-forward", "off"],
-            "reshard_after_forward=False with strategy='ddp'. It configures FSDP's fully_shard",
+            "reshard_after_forward=False with strategy='ddp'. These configure FSDP's fully_shard",
         ),
         (["--bucket-cap-mb", "0"], "bucket_cap_mb=0.0 must be a finite number > 0"),
         (["--powersgd-start-step", "1"], "powersgd_start_step=1 must be >= 2"),
@@ -78,8 +78,8 @@ NUM_CUDA = torch.cuda.device_count() if torch.cuda.is_available() else 0
         ),
         (
             ["--compile", "--strategy", "dp", "--nproc", "1"],
-            "compile=True with strategy='dp'. DataParallel replicates the module on every "
-            "forward, which torch.compile does not support",
+            "compile=True with strategy='dp'. DataParallel replicates the module onto every GPU "
+            "at each forward, which torch.compile does not support",
         ),
         (["--compile", "--bucket-cap-mb", "0.5"], "compile=True with bucket_cap_mb=0.5. torch"),
         (["--compile-backend", "eager"], "compile_backend='eager' without compile=True"),

@@ -25,7 +25,7 @@ def _dp_in_several_processes(runtime) -> str:
 
 def test_dp_is_refused_in_a_multi_process_job():
     for message in run_distributed(_dp_in_several_processes, 2):
-        assert message.startswith("strategy='dp' runs in one process: world_size=2.")
+        assert message.startswith("strategy='dp' with world_size=2. It runs in one process.")
 
 
 @pytest.mark.skipif(NUM_CUDA >= 2, reason="checks the message shown without 2 CUDA devices")
@@ -36,7 +36,7 @@ def test_dp_without_two_gpus_is_a_clear_error():
     assert str(info.value).startswith(
         f"strategy='dp' needs 2 or more CUDA devices: found {NUM_CUDA}. Use strategy 'single'"
     )
-    with pytest.raises(ddpkit.ConfigError, match=r"DDP options \['sync_batchnorm'\]"):
+    with pytest.raises(ddpkit.ConfigError, match=r"sync_batchnorm=True with strategy='dp'\. These"):
         ddpkit.wrap_model(nn.Linear(2, 2), single, strategy="dp", sync_batchnorm=True)
 
 

@@ -51,6 +51,7 @@ def _per_rank_split(runtime, use_ddpkit: bool, which: str):
     return "built"
 
 
+@pytest.mark.slow  # several seconds (plain torch trains on both ranks): out of the inner loop
 def test_plain_torch_trains_on_the_validation_samples_of_another_rank():
     results = run_distributed(_per_rank_split, 2, args=(False, "train"))
     trained = set(results[0]["trained"]) | set(results[1]["trained"])

@@ -114,11 +114,29 @@ def _same(a, b) -> bool:
     return a == b
 
 
+@pytest.fixture(scope="module")
+def reference_run(tmp_path_factory):
+    """``get(strategy, world_size)``: the uninterrupted run (``_run`` to TOTAL_STEPS, no
+    resume) that several tests compare with, launched once per module: the same launch."""
+    runs: dict[tuple[str, int], list] = {}
+
+    def get(strategy: str, world_size: int) -> list:
+        if (strategy, world_size) not in runs:
+            directory = str(tmp_path_factory.mktemp(f"ref-{strategy}-{world_size}"))
+            args = (strategy, directory, None, False)
+            runs[strategy, world_size] = run_distributed(_run, world_size, args=args, timeout_s=150)
+        return runs[strategy, world_size]
+
+    return get
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("strategy", ["fsdp", "zero1"])
-def test_resume_mid_epoch_is_bitwise_and_every_rank_wrote_its_shard(tmp_path, strategy):
-    ref, run = str(tmp_path / "ref"), str(tmp_path / "run")
-    reference = run_distributed(_run, 2, args=(strategy, ref, None, False), timeout_s=120)
+def test_resume_mid_epoch_is_bitwise_and_every_rank_wrote_its_shard(
+    tmp_path, strategy, reference_run
+):
+    run = str(tmp_path / "run")
+    reference = reference_run(strategy, 2)
     first = run_distributed(_run, 2, args=(strategy, run, STOP, False), timeout_s=120)
     folder = tmp_path / "run" / f"step-{STOP:08d}"
     manifest = json.loads((folder / "manifest.json").read_text())
@@ -140,11 +158,9 @@ def test_resume_mid_epoch_is_bitwise_and_every_rank_wrote_its_shard(tmp_path, st
     assert _same(resumed[0]["final"], reference[0]["final"])
 
 
-def _resize(tmp_path, strategy: str, before: int, after: int) -> float:
+def _resize(tmp_path, strategy: str, before: int, after: int, reference_run) -> float:
     directory = str(tmp_path / f"{strategy}-{before}-{after}")
-    reference = run_distributed(
-        _run, before, args=(strategy, directory + "-ref", None, False), timeout_s=150
-    )
+    reference = reference_run(strategy, before)
     first = run_distributed(_run, before, args=(strategy, directory, STOP, False), timeout_s=150)
     resumed = run_distributed(_run, after, args=(strategy, directory, None, True), timeout_s=150)
     assert resumed[0]["resumed_at"] == STOP
@@ -160,9 +176,9 @@ def _resize(tmp_path, strategy: str, before: int, after: int) -> float:
 
 @pytest.mark.slow
 @pytest.mark.parametrize("strategy", ["fsdp", "zero1"])
-def test_a_checkpoint_saved_on_n_ranks_resumes_on_m(tmp_path, strategy):
+def test_a_checkpoint_saved_on_n_ranks_resumes_on_m(tmp_path, strategy, reference_run):
     for before, after in ((2, 3), (3, 2)):
-        assert _resize(tmp_path, strategy, before, after) <= RESIZE_LOSS_RTOL
+        assert _resize(tmp_path, strategy, before, after, reference_run) <= RESIZE_LOSS_RTOL
 
 
 def _killed_writer(rt, directory: str, kill_at: int) -> None:
@@ -319,10 +335,8 @@ def _async_run(rt, directory: str) -> dict:
 
 
 @pytest.mark.slow
-def test_async_save_commits_at_wait_and_resumes_bitwise(tmp_path):
-    reference = run_distributed(
-        _run, 2, args=("fsdp", str(tmp_path / "ref"), None, False), timeout_s=120
-    )
+def test_async_save_commits_at_wait_and_resumes_bitwise(tmp_path, reference_run):
+    reference = reference_run("fsdp", 2)
     saved = run_distributed(_async_run, 2, args=(str(tmp_path / "run"),), timeout_s=120)
     assert saved[0]["folder_before_wait"] is False  # never a step- folder before the commit
     assert saved[0]["folder_after_wait"] is True and saved[0]["wait_again"] is None

@@ -309,16 +309,17 @@ def test_what_does_not_apply_to_sharded_strategies_is_refused_in_one_line():
     results = run_distributed(_refusals_rank, 2, timeout_s=90)
     assert results[0] == results[1]
     expected_starts = [
-        "DDP options grad_compression='fp16' given for strategy='fsdp': FSDP reduce-scatters",
-        "DDP options bucket_cap_mb=1 given for strategy='fsdp'",
-        "FSDP options precision='bf16-mixed' given for strategy='ddp'",
+        "grad_compression='fp16' with strategy='fsdp'. These configure DDP's gradient sync, "
+        "and FSDP reduce-scatters",
+        "bucket_cap_mb=1 with strategy='fsdp'. These configure DDP's",
+        "precision='bf16-mixed' with strategy='ddp'. These configure FSDP's fully_shard",
         "precision for strategy='fsdp': precision='16-mixed'. FSDP takes 32 or bf16-mixed",
         "invalid FSDP wrap policy: wrap_policy=3.",
-        "local SGD with strategy='fsdp':",
-        "local SGD with strategy='zero1':",
+        "sync_every=2 with strategy='fsdp'. Local SGD averages whole replicas",
+        "sync_every=2 with strategy='zero1'. Local SGD averages whole replicas",
         "strategy='zero1' with a SGD: ZeRO-1 shards the optimizer state",
         "strategy='fsdp': the optimizer holds parameters that are not the model's shards",
-        "precision='16-mixed' with strategy='fsdp':",
+        "precision='16-mixed' with strategy='fsdp'. Its loss scaler does not handle",
     ]
     assert len(results[0]) == len(expected_starts)
     for message, start in zip(results[0], expected_starts, strict=True):
@@ -331,9 +332,13 @@ def test_sharded_strategies_need_a_process_group_and_options_are_checked_at_worl
     for strategy in ("fsdp", "zero1"):
         with pytest.raises(ddpkit.DistributedError, match=f"strategy='{strategy}' needs a process"):
             ddpkit.wrap_model(_net(), rt, strategy=strategy)
-    with pytest.raises(ddpkit.ConfigError, match="FSDP options reshard_after_forward=False"):
+    with pytest.raises(
+        ddpkit.ConfigError, match="reshard_after_forward=False with strategy='auto'. These"
+    ):
         ddpkit.wrap_model(_net(), rt, strategy="auto", reshard_after_forward=False)
-    with pytest.raises(ddpkit.ConfigError, match="DDP options grad_compression='bf16' given"):
+    with pytest.raises(
+        ddpkit.ConfigError, match="grad_compression='bf16' with strategy='fsdp'. These"
+    ):
         ddpkit.wrap_model(_net(), rt, strategy="fsdp", grad_compression="bf16")
     opt = ddpkit.build_zero_optimizer(
         _net().parameters(), rt, optimizer_class=torch.optim.SGD, lr=0.1

@@ -16,9 +16,9 @@ from torch import nn
 from torch.utils.data import Dataset
 
 import ddpkit
+from ddpkit.monitoring.observe import PHASES, StepTimer
 from ddpkit.runtime.process_group import Runtime
 from ddpkit.testing import run_distributed
-from ddpkit.training.observe import PHASES, StepTimer
 from tests.distributed.sleeps import SleepInBackward
 
 SLEEP_S = 0.02  # per sample in the slow dataset (4 x 4 samples: 0.32 s)

@@ -20,9 +20,9 @@ from torch import nn
 from torch.utils.data import Dataset
 
 import ddpkit
+from ddpkit.monitoring.stragglers import RankWindow, StragglerDetector, judge
 from ddpkit.runtime.process_group import ProcessInfo, Runtime
 from ddpkit.testing import run_distributed
-from ddpkit.training.stragglers import RankWindow, StragglerDetector, judge
 from tests.distributed.sleeps import SleepInBackward
 
 BATCH = 4

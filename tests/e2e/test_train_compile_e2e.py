@@ -57,3 +57,12 @@ def test_compiled_job_resumes_an_eager_checkpoint_to_the_same_parameters(tmp_pat
     assert all(torch.equal(models[0][k], models[1][k]) for k in plain_keys)
     summary = json.loads((tmp_path / "compiled" / "summary.json").read_text())
     assert summary["final_step"] == 8 and summary["config"]["compile"] is True
+
+
+def test_fsdp_job_with_compile_compiles_its_blocks(tmp_path):
+    # --strategy fsdp --compile used to train eager without a word (the flag was dropped)
+    pytest.importorskip("sklearn")
+    flags = [*COMMON[3:], "--strategy", "fsdp", "--compile", "--compile-backend", "aot_eager"]
+    run = train_in_process([*flags, "--output-dir", str(tmp_path / "fsdp")], nproc=2)
+    assert run.summary["final_step"] == 8, run.summary
+    assert "compiled in place with torch.compile(backend='aot_eager')" in run.stdout, run.output

@@ -32,6 +32,7 @@ def _manager(directory: Path, rank: int = 0, world_size: int = 1) -> ddpkit.Chec
     return ddpkit.CheckpointManager(directory, runtime, state={"model": model})
 
 
+@pytest.mark.slow  # a writer process importing torch: out of the inner loop
 def test_a_second_job_is_refused_naming_the_first_and_a_killed_job_leaves_no_lock(tmp_path):
     first = checkpoint_writer(tmp_path)
     try:
@@ -60,6 +61,7 @@ def test_a_second_job_is_refused_naming_the_first_and_a_killed_job_leaves_no_loc
     assert ckpt.resume() > 0  # the killed job's newest complete checkpoint
 
 
+@pytest.mark.slow  # a writer process importing torch: out of the inner loop
 def test_managers_of_one_process_share_the_lock_until_the_last_goes(tmp_path):
     one, two = _manager(tmp_path), _manager(tmp_path)  # e.g. a job that rebuilds its manager
     one.save(1)

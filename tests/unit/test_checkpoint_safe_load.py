@@ -87,6 +87,7 @@ def test_a_poisoned_state_file_is_refused_by_resume_and_runs_nothing(tmp_path, c
     assert marker.exists()  # the opt-in runs the payload: it is named unsafe for that reason
 
 
+@pytest.mark.slow  # a process importing torch: out of the inner loop
 def test_checkpoint_export_refuses_the_poisoned_state_in_one_line(tmp_path):
     folder, marker = _poisoned_checkpoint(tmp_path)
     done = run_cli(

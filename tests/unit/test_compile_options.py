@@ -70,8 +70,8 @@ def test_bad_compile_values_are_refused(compile_, expected):
 @pytest.mark.parametrize(
     "strategy,compile_,steps,expected",
     [
-        (DataParallel(), True, None, "compile with strategy='dp': DataParallel replicates"),
-        (DDP(bucket_cap_mb=0.5), True, None, "bucket_cap_mb=0.5 with compile: torch"),
+        (DataParallel(), True, None, "compile=True with strategy='dp'. DataParallel replicates"),
+        (DDP(bucket_cap_mb=0.5), True, None, "compile=True with bucket_cap_mb=0.5. torch"),
         (DDP(), True, -1, "invalid grad_sync_check_steps=-1. It counts optimizer steps"),
         (FSDP(), True, 3, "grad_sync_check_steps=3 with strategy='fsdp': the check"),
         (Live(), False, 3, "grad_sync_check_steps=3 with strategy='live': the check"),

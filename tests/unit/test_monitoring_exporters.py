@@ -196,6 +196,7 @@ def test_unknown_and_missing_trackers_are_one_line_errors(tmp_path, monkeypatch)
         nothing.close("DONE")
 
 
+@pytest.mark.slow  # MLflow's SQLite store (its migrations): several seconds, out of the inner loop
 def test_mlflow_local_store_holds_config_epochs_and_summary(tmp_path, no_tracker_env):
     mlflow = pytest.importorskip("mlflow", reason="mlflow is not installed")
     trackers = open_trackers(["mlflow"], tmp_path, run_name="run-1", config=CONFIG)
@@ -227,6 +228,7 @@ def test_mlflow_local_store_holds_config_epochs_and_summary(tmp_path, no_tracker
     assert trackers.locations["mlflow"].startswith(f"sqlite:///{tmp_path}/mlflow.db")
 
 
+@pytest.mark.slow  # MLflow's SQLite store (its migrations): several seconds, out of the inner loop
 def test_mlflow_takes_non_finite_values_and_the_users_tracking_uri(
     tmp_path, no_tracker_env, monkeypatch
 ):

@@ -11,8 +11,8 @@ import torch
 
 from ddpkit.app.mnist.outputs import append_record, read_records, reset_outputs
 from ddpkit.env import ProcessInfo
+from ddpkit.monitoring.observe import PHASES, StepTimer, peak_memory_mb
 from ddpkit.runtime.process_group import Runtime
-from ddpkit.training.observe import PHASES, StepTimer, peak_memory_mb
 
 
 @pytest.fixture

@@ -148,6 +148,7 @@ def test_detect_process_info_rejects_contradictions():
         detect_process_info({"RANK": "0", "WORLD_SIZE": "two"})
 
 
+@pytest.mark.slow  # a process importing torch: out of the inner loop
 def test_world_size_without_a_launcher_is_refused_not_run_as_one_process(tmp_path):
     assert detect_process_info({"WORLD_SIZE": "1"}) == ProcessInfo()
     script = tmp_path / "train.py"

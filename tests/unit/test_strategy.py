@@ -216,10 +216,10 @@ def test_a_strategy_name_with_keyword_options_builds_the_same_object(name, optio
     "name,options,expected",
     [
         ("fsdp3", {}, "unknown strategy: strategy='fsdp3'. Allowed: auto, single, ddp"),
-        ("single", {"sync_batchnorm": True}, "DDP options ['sync_batchnorm'] given for strategy="),
-        ("dp", {"grad_compression": "fp16"}, "DDP options ['grad_compression'] given for strat"),
-        ("ddp", {"precision": "bf16-mixed"}, "FSDP options precision='bf16-mixed' given for "),
-        ("fsdp", {"bucket_cap_mb": 1}, "DDP options bucket_cap_mb=1 given for strategy='fsdp'"),
+        ("single", {"sync_batchnorm": True}, "sync_batchnorm=True with strategy='single'. These"),
+        ("dp", {"grad_compression": "fp16"}, "grad_compression='fp16' with strategy='dp'. These"),
+        ("ddp", {"precision": "bf16-mixed"}, "precision='bf16-mixed' with strategy='ddp'. These"),
+        ("fsdp", {"bucket_cap_mb": 1}, "bucket_cap_mb=1 with strategy='fsdp'. These configure"),
         ("auto", {"grad_compression": "int8"}, "invalid gradient compression: grad_compression="),
     ],
 )

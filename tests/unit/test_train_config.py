@@ -135,6 +135,62 @@ def test_the_rules_the_library_checks_are_its_own_lines():
         assert str(caught.value) == f"invalid config: {line}.", settings
 
 
+@pytest.mark.parametrize(
+    "settings,world_size,rule,args",
+    [
+        ({"compile": True, "strategy": "dp"}, 1, "compile_with_strategy", ("dp",)),
+        ({"compile": True, "bucket_cap_mb": 0.5}, None, "compile_with_small_buckets", (0.5,)),
+        (
+            {"sync_every": 2, "grad_compression": "fp16"},
+            None,
+            "local_sgd_with_comm_hook",
+            (2, "grad_compression='fp16'"),
+        ),
+        ({"sync_every": 2, "static_graph": True}, None, "local_sgd_with_static_graph", (2,)),
+        ({"sync_every": 2, "strategy": "zero1"}, None, "local_sgd_with_sharding", ("zero1", 2)),
+        (
+            {"fault_tolerance": "live", "strategy": "fsdp", "compile": True},
+            None,
+            "live_problem",
+            ("fsdp", ["compile=True"]),
+        ),
+        (
+            {"sync_batchnorm": True},
+            1,
+            "ddp_options_without_ddp",
+            ("single", ["sync_batchnorm=True"], 1),
+        ),
+        (
+            {"reshard_after_forward": False},
+            2,
+            "fsdp_options_without_fsdp",
+            ("ddp", ["reshard_after_forward=False"]),
+        ),
+        (
+            {"strategy": "fsdp", "static_graph": True},
+            2,
+            "ddp_options_with_fsdp",
+            ("fsdp", ["static_graph=True"]),
+        ),
+        (
+            {"strategy": "fsdp", "precision": "16-mixed"},
+            2,
+            "loss_scaler_with_fsdp",
+            ("16-mixed", "fsdp"),
+        ),
+    ],
+)
+def test_the_strategy_rules_are_the_librarys_lines(settings, world_size, rule, args):
+    """Each strategy rule of check() is the line ddpkit.parallel.rules gives the library."""
+    from ddpkit.parallel import rules
+
+    line = getattr(rules, rule)(*args)
+    assert line
+    with pytest.raises(ConfigError) as caught:
+        check(TrainConfig(**settings), world_size=world_size)
+    assert str(caught.value) == f"invalid config: {line}.", settings
+
+
 def test_run_and_train_take_the_launch_flags_from_one_declaration():
     from ddpkit.cli import build_parser
     from ddpkit.launch.config import LaunchConfig

@@ -59,5 +59,5 @@ def test_an_unknown_ddp_keyword_fails_at_one_process_too():
 
 
 def test_an_explicit_single_strategy_still_refuses_ddp_options():
-    with pytest.raises(ddpkit.ConfigError, match=r"DDP options \['sync_batchnorm'\] given for "):
+    with pytest.raises(ddpkit.ConfigError, match=r"sync_batchnorm=True with strategy='single'\. "):
         ddpkit.wrap_model(_cnn(), SINGLE, strategy="single", sync_batchnorm=True)

@@ -132,10 +132,11 @@ def counting_collectives(counts: dict[str, int]) -> Iterator[None]:
             setattr(dist, name, fn)
 
 
-def _optimizer(model: nn.Module, runtime: Any, strategy: str) -> torch.optim.Optimizer:
+def _optimizer(model: nn.Module, runtime: Any) -> torch.optim.Optimizer:
+    from ddpkit.parallel.strategy import ZeRO1, wrapped_strategy
     from ddpkit.parallel.zero import build_zero_optimizer
 
-    if strategy == "zero1":
+    if isinstance(wrapped_strategy(model), ZeRO1):
         return build_zero_optimizer(
             model.parameters(), runtime, optimizer_class=torch.optim.AdamW, lr=1e-4
         )
@@ -163,7 +164,7 @@ def memory_worker(store: dist.Store, strategy: str, settings: MemorySettings) ->
         rss_start_mib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
         wrapped = strategy if runtime.world_size > 1 else "single"
         model = wrap_model(build_mlp(settings), runtime, strategy=wrapped)
-        optimizer = _optimizer(model, runtime, wrapped)
+        optimizer = _optimizer(model, runtime)
         step = TrainStep(model, optimizer, runtime=runtime, same_batch_sizes=True)
         windows = step.windows(_batches(settings, runtime.rank))
         for _ in range(settings.num_warmup_steps):

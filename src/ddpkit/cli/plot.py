@@ -18,7 +18,7 @@ from pathlib import Path
 
 from ddpkit.app.mnist.outputs import read_records
 from ddpkit.errors import ConfigError
-from ddpkit.training.observe import PHASES
+from ddpkit.monitoring.observe import PHASES
 
 PLOTS = ("loss.png", "accuracy.png", "throughput.png", "step_time.png")
 RANKS_PLOT = "ranks.png"

@@ -29,6 +29,7 @@ from ddpkit.errors import ConfigError, DataError, add_note
 from ddpkit.files import make_output_folder
 from ddpkit.launch.config import default_max_restarts
 from ddpkit.monitoring.prometheus import check_endpoint
+from ddpkit.parallel.choices import runs_in_one_process
 from ddpkit.runtime.signals import parse_stop_signals
 from ddpkit.settings import field_problems, read_toml, to_toml
 
@@ -119,7 +120,7 @@ def _check_and_start(
     """Check ``config`` with the world size, the data, the checkpoint to resume and the output
     folder, before any worker starts; then train in this process or launch the ranks."""
     info = detect_process_info()
-    one_process = config.strategy in ("single", "dp")  # their default is --nproc 1
+    one_process = runs_in_one_process(config.strategy)  # its default is --nproc 1
     nproc = config.nproc or (1 if one_process else default_nproc())
     nproc = info.world_size if info.is_distributed else nproc
     check(config, world_size=nproc)

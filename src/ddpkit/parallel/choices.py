@@ -19,6 +19,7 @@ __all__ = [
     "SEVERAL_PROCESSES",
     "STRATEGIES",
     "resolved_strategy",
+    "runs_in_one_process",
     "strategy_problems",
 ]
 
@@ -26,6 +27,11 @@ STRATEGIES = ("auto", "single", "ddp", "dp", "zero1", "fsdp")
 GRAD_COMPRESSIONS = ("none", "fp16", "bf16", "powersgd")
 ONE_PROCESS = ("single", "dp")  # strategies of one process (no process group)
 SEVERAL_PROCESSES = ("ddp", "zero1", "fsdp")  # strategies that need a process group (2+ ranks)
+
+
+def runs_in_one_process(name: str) -> bool:
+    """True for a strategy of one process (``single``, ``dp``: ``--nproc 1`` by default)."""
+    return name in ONE_PROCESS
 
 
 def resolved_strategy(name: str, world_size: int) -> str:

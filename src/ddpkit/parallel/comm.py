@@ -137,7 +137,9 @@ def _cast_wrapper(dtype: torch.dtype, hook):
     return cast_compress_hook
 
 
-def _counting_powersgd_hook(state, bucket):
+def _counting_powersgd_hook(
+    state: HookState, bucket: dist.GradBucket
+) -> torch.futures.Future[torch.Tensor]:
     """torch's ``powerSGD_hook``, counting the elements it sends for this bucket."""
     inner: powerSGD_hook.PowerSGDState = state.inner
     if inner.iter < inner.start_powerSGD_iter:  # still a plain all-reduce of the whole bucket
@@ -162,8 +164,8 @@ def powersgd_bucket_cap_mb(
     """
     if runtime.backend == "nccl":
         return ddp_kwargs
-    grad_mib = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
-    grad_mib /= 2**20
+    grad_bytes = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
+    grad_mib = grad_bytes / 2**20
     given = ddp_kwargs.get("bucket_cap_mb")
     if given is None:
         cap_mb = math.ceil(grad_mib) + 1
@@ -231,8 +233,11 @@ def register_grad_hook(
         TypeError: ``bf16`` on nccl older than 2.10 (torch's own check).
 
     Example:
-        >>> stats = register_grad_hook(ddp_model, rt, grad_compression="fp16")  # doctest: +SKIP
-        >>> ...; stats.bytes_per_step(num_steps)
+        >>> ddp_model = wrap_model(Net(), rt)              # no hook yet: DDP's own all-reduce
+        >>> stats = register_grad_hook(ddp_model, rt, grad_compression="fp16")
+        >>> ddp_model(torch.randn(8, 4)).sum().backward()  # one backward: the buckets go out
+        >>> stats.bytes_per_step(1) > 0
+        True
     """
     compression = grad_compression
     check_compression(compression, powersgd_rank, powersgd_start_step)

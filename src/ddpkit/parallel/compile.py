@@ -42,6 +42,7 @@ from torch import nn
 from ddpkit.errors import ConfigError
 from ddpkit.guards.grad_sync import attach_grad_sync_check
 from ddpkit.log import get_logger
+from ddpkit.parallel.rules import compile_with_small_buckets, compile_with_strategy
 from ddpkit.parallel.strategy import DDP, FSDP, Single, Strategy
 from ddpkit.runtime.process_group import Runtime
 
@@ -104,12 +105,9 @@ def prepare_compile(
             f"invalid grad_sync_check_steps={steps!r}. It counts optimizer steps: an integer "
             ">= 0 (0 = off). Fix the value."
         )
-    if options is not None and not strategy.compilable:
-        raise ConfigError(
-            f"compile with strategy={strategy.name!r}: DataParallel replicates the module onto "
-            "every GPU at each forward, which torch.compile does not support. Use "
-            "strategy='ddp' (what PyTorch recommends on one machine too) or compile=False."
-        )
+    problem = compile_with_strategy(strategy.name) if options is not None else None
+    if problem:
+        raise ConfigError(f"{problem}.")
     # single: nothing to compare at world size 1 (the check is a no-op there)
     if steps and not strategy.ddp_gradients and not isinstance(strategy, Single):
         raise ConfigError(
@@ -119,13 +117,9 @@ def prepare_compile(
         )
     cap_mb = strategy.bucket_cap_mb if isinstance(strategy, DDP) else None
     first_mb = getattr(torch.distributed, "_DEFAULT_FIRST_BUCKET_BYTES", _ONE_MIB) / _ONE_MIB
-    if options is not None and cap_mb is not None and cap_mb < first_mb:
-        raise ConfigError(
-            f"bucket_cap_mb={cap_mb} with compile: torch.compile's DDPOptimizer splits the graph "
-            f"at DDP's buckets and needs them at least as large as its first bucket "
-            f"({first_mb:g} MiB; torch asserts otherwise). Use bucket_cap_mb >= {first_mb:g} "
-            "or compile=False."
-        )
+    problem = compile_with_small_buckets(cap_mb, first_mb) if options is not None else None
+    if problem:
+        raise ConfigError(f"{problem}.")
     return options, steps
 
 

@@ -18,6 +18,7 @@ from torch.nn.parallel import DataParallel
 
 from ddpkit.errors import ConfigError
 from ddpkit.log import get_logger
+from ddpkit.parallel.choices import strategy_problems
 from ddpkit.runtime.process_group import Runtime
 
 DDP_ADVICE = (
@@ -33,11 +34,8 @@ def check_dp_possible(world_size: int, device_ids: list[int] | None = None) -> l
         ConfigError: more than one process (``dp`` is one process); fewer than 2 CUDA devices;
             a device id that does not exist.
     """
-    if world_size > 1:
-        raise ConfigError(
-            f"strategy='dp' runs in one process: world_size={world_size}. Start one process "
-            "(--nproc 1), or use strategy 'ddp' for several processes."
-        )
+    for problem in strategy_problems("dp", world_size):  # one process
+        raise ConfigError(f"{problem}.")
     num_devices = torch.cuda.device_count() if torch.cuda.is_available() else 0
     ids = list(range(num_devices)) if device_ids is None else list(device_ids)
     if num_devices < 2 or len(ids) < 2:
@@ -69,7 +67,8 @@ def wrap_data_parallel(
         ConfigError: see :func:`check_dp_possible`.
 
     Example:
-        >>> model = wrap_data_parallel(Net(), rt)       # 2+ GPUs, one process  # doctest: +SKIP
+        >>> # needs 2+ CUDA GPUs in one process: DataParallel splits the batch over them
+        >>> model = wrap_data_parallel(Net(), rt)  # doctest: +SKIP
     """
     ids = check_dp_possible(runtime.world_size, device_ids)
     get_logger("parallel").info(

@@ -38,7 +38,7 @@ from __future__ import annotations
 import contextlib
 import weakref
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 from torch import nn
@@ -46,6 +46,10 @@ from torch import nn
 from ddpkit.errors import ConfigError
 from ddpkit.guards.wrapped import verify_same_parameters
 from ddpkit.runtime.process_group import Runtime
+
+if TYPE_CHECKING:
+    from torch.distributed.fsdp import FSDPModule
+    from torch.distributed.tensor import DTensor
 from ddpkit.wrappers import is_fsdp, is_sharded_tensor
 
 WrapPolicy = type | tuple[type, ...] | Callable[[nn.Module], bool] | None
@@ -58,7 +62,7 @@ _RESHARD_AFTER_FORWARD: weakref.WeakKeyDictionary[nn.Module, bool] = weakref.Wea
 def full_value(tensor: torch.Tensor) -> torch.Tensor:
     """The whole value of ``tensor``: ``full_tensor()`` for a ``DTensor`` (a collective when it
     is sharded or partial, e.g. the total norm ``clip_grad_norm_`` returns), else ``tensor``."""
-    return tensor.full_tensor() if is_sharded_tensor(tensor) else tensor
+    return cast("DTensor", tensor).full_tensor() if is_sharded_tensor(tensor) else tensor
 
 
 def fsdp_modules(model: nn.Module) -> list[nn.Module]:
@@ -236,18 +240,20 @@ def gradient_sync_off(model: nn.Module) -> Iterator[None]:
     """The body's backward keeps gradients local: DDP's ``no_sync()``, FSDP's
     ``set_requires_gradient_sync(False)`` (gradients accumulate unsharded, no reduce-scatter;
     sync is switched back on when the body ends), nothing for a plain module."""
-    if hasattr(model, "no_sync"):
-        with model.no_sync():
+    no_sync = getattr(model, "no_sync", None)
+    if no_sync is not None:
+        with no_sync():
             yield
         return
     if not is_fsdp(model):
         yield
         return
-    model.set_requires_gradient_sync(False)
+    sharded = cast("FSDPModule", model)
+    sharded.set_requires_gradient_sync(False)
     try:
         yield
     finally:
-        model.set_requires_gradient_sync(True)
+        sharded.set_requires_gradient_sync(True)
 
 
 @contextlib.contextmanager
@@ -263,14 +269,15 @@ def gathered_for_eval(model: nn.Module) -> Iterator[None]:
     if not modules:
         yield
         return
+    units = [cast("FSDPModule", module) for module in modules]  # the same objects, typed
     try:
-        for module in modules:
-            module.unshard()
-            module.set_reshard_after_forward(False, recurse=False)
+        for unit in units:
+            unit.unshard()
+            unit.set_reshard_after_forward(False, recurse=False)
         yield
     finally:
-        for module in modules:
-            module.set_reshard_after_forward(
+        for module, unit in zip(modules, units, strict=True):
+            unit.set_reshard_after_forward(
                 _RESHARD_AFTER_FORWARD.get(module, module is not model), recurse=False
             )
-            module.reshard()
+            unit.reshard()

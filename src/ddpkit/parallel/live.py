@@ -30,7 +30,9 @@ class LiveModelError(ConfigError):
     be all-reduced)."""
 
 
-def prepare_live_model(module: nn.Module, device: torch.device, group: object) -> nn.Module:
+def prepare_live_model(
+    module: nn.Module, device: torch.device, group: dist.ProcessGroup | None
+) -> nn.Module:
     """The module on ``device``, its parameters and buffers broadcast from rank 0 (as DDP does
     when it is built), and a guard refusing a training forward outside ``TrainStep``.
 
@@ -69,7 +71,9 @@ class stepping:
         _STEPPING.discard(self.model)
 
 
-def all_reduce_gradients(model: nn.Module, group: object, world_size: int) -> None:
+def all_reduce_gradients(
+    model: nn.Module, group: dist.ProcessGroup | None, world_size: int
+) -> None:
     """Average the gradients of ``model``'s trainable parameters over the group's members, then
     give every member rank 0's buffers (:func:`broadcast_buffers`).
 
@@ -80,18 +84,19 @@ def all_reduce_gradients(model: nn.Module, group: object, world_size: int) -> No
     """
     if group is None:
         return
-    params = [p for p in model.parameters() if p.requires_grad]
-    for param in params:
+    grads = []
+    for param in [p for p in model.parameters() if p.requires_grad]:
         if param.grad is None:
             param.grad = torch.zeros_like(param)
+        grads.append(param.grad)
     buckets: list[list[torch.Tensor]] = [[]]
     size = 0
-    for param in params:
-        nbytes = param.grad.numel() * param.grad.element_size()
+    for grad in grads:
+        nbytes = grad.numel() * grad.element_size()
         if buckets[-1] and size + nbytes > BUCKET_BYTES:
             buckets.append([])
             size = 0
-        buckets[-1].append(param.grad)
+        buckets[-1].append(grad)
         size += nbytes
     flats = [torch.cat([g.reshape(-1) for g in bucket]) for bucket in buckets if bucket]
     works = [dist.all_reduce(flat, group=group, async_op=True) for flat in flats]
@@ -105,7 +110,7 @@ def all_reduce_gradients(model: nn.Module, group: object, world_size: int) -> No
     broadcast_buffers(model, group)
 
 
-def broadcast_buffers(model: nn.Module, group: object) -> None:
+def broadcast_buffers(model: nn.Module, group: dist.ProcessGroup | None) -> None:
     """Give every member rank 0's buffers (BatchNorm running statistics): DDP broadcasts them
     before each forward (``broadcast_buffers=True``); here they are sent after the step's
     forwards, so every replica ends the step bitwise equal, buffers included. Collective over

@@ -29,6 +29,7 @@ import contextlib
 from typing import TYPE_CHECKING
 
 import torch
+import torch.distributed as dist
 from torch.distributed.algorithms.model_averaging import averagers
 from torch.distributed.algorithms.model_averaging import utils as averaging_utils
 from torch.nn.parallel import DistributedDataParallel
@@ -36,6 +37,11 @@ from torch.nn.parallel import DistributedDataParallel
 from ddpkit.errors import ConfigError
 from ddpkit.guards.grad_sync import gradients_local, mark_gradients_local
 from ddpkit.parallel.comm import CommStats
+from ddpkit.parallel.rules import (
+    local_sgd_with_comm_hook,
+    local_sgd_with_sharding,
+    local_sgd_with_static_graph,
+)
 from ddpkit.parallel.strategy import wrapped_strategy
 from ddpkit.parallel.zero import is_zero_optimizer
 from ddpkit.runtime.process_group import Runtime
@@ -59,7 +65,9 @@ class PeriodicAverager(averagers.ModelAverager):
         last_average_step: the step after which parameters were last averaged (0 = never).
     """
 
-    def __init__(self, period: int, process_group, stats: CommStats) -> None:
+    def __init__(
+        self, period: int, process_group: dist.ProcessGroup | None, stats: CommStats
+    ) -> None:
         super().__init__(process_group)
         self.period = period
         self.stats = stats
@@ -78,7 +86,7 @@ class PeriodicAverager(averagers.ModelAverager):
 
         All parameters are averaged, with or without a gradient, so every rank sends the same.
         """
-        tensors = []
+        tensors: list[torch.nn.Parameter] = []
         for item in params:
             tensors.extend(item["params"] if isinstance(item, dict) else [item])
         averaging_utils.average_parameters(iter(tensors), self.process_group)
@@ -93,7 +101,7 @@ class PeriodicAverager(averagers.ModelAverager):
 
 
 def enable_local_sgd(
-    model: DistributedDataParallel,
+    model: torch.nn.Module,
     optimizer: torch.optim.Optimizer,
     *,
     runtime: Runtime,
@@ -128,41 +136,31 @@ def enable_local_sgd(
             strategy is ``zero1`` or the optimizer a ``ZeroRedundancyOptimizer``, or the model
             has a comm hook or ``static_graph=True``.
 
-    Example (skipped here: it needs a DDP model on 2+ ranks, as in
-    tests/distributed/test_local_sgd.py):
+    Example:
+        >>> ddp_model = wrap_model(Net(), rt)
         >>> opt = enable_local_sgd(ddp_model, torch.optim.SGD(ddp_model.parameters(), 0.1),
-        ...                        runtime=rt, sync_every=4)  # doctest: +SKIP
+        ...                        runtime=rt, sync_every=4)
+        >>> type(opt).__name__
+        'PostLocalSGDOptimizer'
     """
     if not isinstance(sync_every, int) or sync_every < 2:
         raise ConfigError(
             f"invalid local SGD period: sync_every={sync_every!r}. It must be an integer >= 2 "
             "(1 means all-reduce every step: use plain DDP, i.e. do not call enable_local_sgd)."
         )
-    strategy = wrapped_strategy(model)
-    if not strategy.replicated or is_zero_optimizer(optimizer):
-        raise ConfigError(
-            f"local SGD with strategy={strategy.name!r}: local SGD lets each rank train a whole "
-            "replica and averages the replicas; fsdp shards the parameters and zero1 the "
-            "optimizer state, so there is no replica to average. Use strategy='ddp' for local "
-            "SGD, or drop sync_every."
-        )
+    name = "zero1" if is_zero_optimizer(optimizer) else wrapped_strategy(model).name
+    problem = local_sgd_with_sharding(name, sync_every)
+    if problem:
+        raise ConfigError(f"{problem}.")
     if not isinstance(model, DistributedDataParallel):
         raise ConfigError(
             f"local SGD needs a DistributedDataParallel model: got {type(model).__name__}. "
             "Wrap it with ddpkit.wrap_model(model, runtime, strategy='ddp') first."
         )
     if getattr(model, "static_graph", False):
-        raise ConfigError(
-            "local SGD on a DDP model with static_graph=True: torch 2.13's DDP fails in backward "
-            "with gradient sync off in static-graph mode (as with no_sync, pytorch/pytorch"
-            "#143580), and static_graph only speeds up the gradient sync local SGD skips. Wrap "
-            "the model without static_graph (drop --static-graph)."
-        )
+        raise ConfigError(f"{local_sgd_with_static_graph(sync_every)}.")
     if getattr(model, "_comm_hooks", None):  # DDP keeps its registered hooks there
-        raise ConfigError(
-            "local SGD on a DDP model with a comm hook: local SGD sends no gradients, so the "
-            "hook (gradient compression?) would never run. Wrap the model without one."
-        )
+        raise ConfigError(f"{local_sgd_with_comm_hook(sync_every, 'a comm hook')}.")
     stats = comm_stats if comm_stats is not None else CommStats()
     averager = PeriodicAverager(sync_every, runtime.process_group, stats)
     # entered here and never left while the averager lives: gradient sync is off for good

@@ -64,6 +64,11 @@ from ddpkit.parallel.comm import (
 from ddpkit.parallel.dp import wrap_data_parallel
 from ddpkit.parallel.fsdp import WrapPolicy, check_fsdp_options, is_sharded_tensor, wrap_fsdp
 from ddpkit.parallel.live import prepare_live_model
+from ddpkit.parallel.rules import (
+    compile_with_strategy,
+    local_sgd_with_sharding,
+    loss_scaler_with_fsdp,
+)
 from ddpkit.parallel.syncbn import convert_sync_batchnorm
 from ddpkit.parallel.zero import is_zero_optimizer
 from ddpkit.runtime.process_group import Runtime
@@ -78,6 +83,7 @@ __all__ = [
     "Single",
     "Strategy",
     "ZeRO1",
+    "strategy_class",
     "wrapped_strategy",
 ]
 
@@ -95,14 +101,21 @@ class Strategy:
         ddp_gradients: its gradients are all-reduced by a ``DistributedDataParallel`` wrapper
             (``ddp``, ``zero1``): comm hooks, ``no_sync()`` and the gradient sync check apply.
         replicated: every rank holds the whole model and optimizer state (local SGD can
-            average such replicas).
-        compilable: ``wrap_model(compile=...)`` works with it.
+            average such replicas; :func:`ddpkit.parallel.rules.local_sgd_with_sharding`).
+        compilable: ``wrap_model(compile=...)`` works with it
+            (:func:`ddpkit.parallel.rules.compile_with_strategy`).
     """
 
     name: ClassVar[str] = ""
     ddp_gradients: ClassVar[bool] = False
-    replicated: ClassVar[bool] = True
-    compilable: ClassVar[bool] = True
+
+    @property
+    def replicated(self) -> bool:
+        return local_sgd_with_sharding(self.name, None) is None
+
+    @property
+    def compilable(self) -> bool:
+        return compile_with_strategy(self.name) is None
 
     def resolve(self, world_size: int) -> Strategy:
         """The strategy that runs at ``world_size`` (itself, except for :class:`Auto`)."""
@@ -284,7 +297,6 @@ class ZeRO1(DDP):
     :class:`~ddpkit.TrainStep` checks). Takes DDP's options."""
 
     name: ClassVar[str] = "zero1"
-    replicated: ClassVar[bool] = False
 
     def check_optimizer(self, optimizer: torch.optim.Optimizer, *, loss_scaled: bool) -> None:
         """Raises:
@@ -319,7 +331,6 @@ class FSDP(Strategy):
     """
 
     name: ClassVar[str] = "fsdp"
-    replicated: ClassVar[bool] = False
     wrap_policy: WrapPolicy = field(default=None, hash=False)
     reshard_after_forward: bool = True
     precision: str = "32"
@@ -350,12 +361,9 @@ class FSDP(Strategy):
                 "shards (it was built before wrap_model, which replaces them). Build the "
                 "optimizer after wrapping: torch.optim.AdamW(model.parameters(), ...)."
             )
-        if loss_scaled:
-            raise ConfigError(
-                "precision='16-mixed' with strategy='fsdp': its loss scaler does not handle "
-                "sharded gradients. Use bf16-mixed (wrap_model(..., precision='bf16-mixed') and "
-                "MixedPrecision('bf16-mixed', runtime))."
-            )
+        problem = loss_scaler_with_fsdp("16-mixed", self.name) if loss_scaled else None
+        if problem:
+            raise ConfigError(f"{problem}.")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -368,7 +376,6 @@ class DataParallel(Strategy):
     """
 
     name: ClassVar[str] = "dp"
-    compilable: ClassVar[bool] = False
     device_ids: tuple[int, ...] | None = None
 
     def __post_init__(self) -> None:
@@ -420,6 +427,26 @@ class Auto(Strategy):
         single = Single()
         object.__setattr__(single, "_ignored", tuple(self.ddp.given()))
         return single
+
+
+_BY_NAME: dict[str, type[Strategy]] = {
+    cls.name: cls for cls in (Auto, Single, DDP, DataParallel, ZeRO1, FSDP, Live)
+}
+
+
+def strategy_class(name: str) -> type[Strategy]:
+    """The class of the strategy called ``name`` in flags and configs (``auto``, ``single``,
+    ``ddp``, ``dp``, ``zero1``, ``fsdp``, ``live``).
+
+    Raises:
+        KeyError: no strategy has that name (:data:`ddpkit.parallel.choices.STRATEGIES` lists
+            those a user may pick).
+
+    Example:
+        >>> strategy_class("zero1")
+        <class 'ddpkit.parallel.strategy.ZeRO1'>
+    """
+    return _BY_NAME[name]
 
 
 def wrapped_strategy(model: nn.Module) -> Strategy:

@@ -19,6 +19,12 @@ from torch import nn
 from ddpkit.errors import ConfigError
 from ddpkit.parallel.choices import STRATEGIES  # torch-free: the train flags read them
 from ddpkit.parallel.compile import finish_compile, prepare_compile
+from ddpkit.parallel.rules import (
+    ddp_options_with_fsdp,
+    ddp_options_without_ddp,
+    fsdp_options_without_fsdp,
+    live_problem,
+)
 from ddpkit.parallel.strategy import (
     DDP,
     FSDP,
@@ -27,8 +33,8 @@ from ddpkit.parallel.strategy import (
     Live,
     Single,
     Strategy,
-    ZeRO1,
     record_strategy,
+    strategy_class,
     wrapped_strategy,
 )
 from ddpkit.runtime.process_group import Runtime
@@ -39,14 +45,6 @@ __all__ = ["is_compiled", "model_state_dict", "unwrap_model", "wrap_model", "wra
 _FSDP_DEFAULTS = {"wrap_policy": None, "reshard_after_forward": True, "precision": "32"}
 # the DDP options a name-built FSDP ignores or names itself (the rest are DDP keywords)
 _HOOK_OPTIONS = ("grad_compression", "comm_stats", "powersgd_rank", "powersgd_start_step")
-_BY_NAME: dict[str, type[Strategy]] = {
-    "auto": Auto,
-    "single": Single,
-    "ddp": DDP,
-    "dp": DataParallel,
-    "zero1": ZeRO1,
-    "fsdp": FSDP,
-}
 
 
 def wrap_model(
@@ -140,7 +138,7 @@ def wrap_model(
 
 def _probe_own_loop(model: nn.Module, runtime: Runtime) -> None:
     """Straggler figures for the caller's own loop (each ``stop_requested()`` ends a step)."""
-    from ddpkit.training.stragglers import attach_loop_probe  # training imports this module
+    from ddpkit.monitoring.stragglers import attach_loop_probe  # training imports this module
 
     attach_loop_probe(model.module, runtime)
 
@@ -183,7 +181,7 @@ def _strategy_from_name(name: str, options: dict[str, Any]) -> Strategy:
     fsdp = {k: options.pop(k) for k in _FSDP_DEFAULTS if k in options}
     device_ids = options.pop("device_ids", None)
     sync_batchnorm = options.pop("sync_batchnorm", False)
-    cls = _BY_NAME[name]
+    cls = strategy_class(name)
     _refuse_other_options(name, cls, fsdp, options)
     if cls is FSDP:  # DDP's options refused above; PowerSGD's settings were ignored
         return FSDP(sync_batchnorm=sync_batchnorm, **fsdp)
@@ -192,13 +190,10 @@ def _strategy_from_name(name: str, options: dict[str, Any]) -> Strategy:
     ddp = DDP(sync_batchnorm=sync_batchnorm, **options)  # checks compression and keywords
     if cls is Auto:
         return Auto(ddp=ddp)
-    given = [option for option, _ in ddp.given()]
-    if given:  # explicit: auto at world size 1 ignores them
-        raise ConfigError(
-            f"DDP options {given} given for strategy={name!r}: they configure "
-            "DistributedDataParallel's gradient sync. Drop them, use strategy='ddp', or "
-            "strategy='auto' (at world_size=1 they then do nothing)."
-        )
+    # explicit: auto at world size 1 ignores them
+    problem = ddp_options_without_ddp(name, [f"{k}={v!r}" for k, v in ddp.given()])
+    if problem:
+        raise ConfigError(f"{problem}.")
     return DataParallel(device_ids=device_ids) if cls is DataParallel else Single()
 
 
@@ -212,22 +207,16 @@ def _refuse_other_options(
         ConfigError: one line naming the options, the strategy and the fix.
     """
     fsdp_given = [f"{k}={v!r}" for k, v in fsdp.items() if v != _FSDP_DEFAULTS[k]]
-    if cls is not FSDP and fsdp_given:
-        raise ConfigError(
-            f"FSDP options {', '.join(fsdp_given)} given for strategy={name!r}: they "
-            "configure fully_shard. Use strategy='fsdp', or drop them (mixed precision for "
-            "DDP is ddpkit.MixedPrecision in the training step)."
-        )
+    problem = fsdp_options_without_fsdp(cls.name, fsdp_given)
+    if problem:
+        raise ConfigError(f"{problem}.")
     compression = options.get("grad_compression", "none")
     ddp_given = [f"grad_compression={compression!r}"] if compression != "none" else []
     ddp_given += ["comm_stats=CommStats(...)"] if options.get("comm_stats") is not None else []
     ddp_given += [f"{k}={v!r}" for k, v in sorted(options.items()) if k not in _HOOK_OPTIONS]
-    if cls is FSDP and ddp_given:
-        raise ConfigError(
-            f"DDP options {', '.join(ddp_given)} given for strategy='fsdp': FSDP reduce-"
-            "scatters gradients itself, without DDP's buckets or comm hooks. Drop them, or "
-            "use strategy='ddp' or 'zero1'."
-        )
+    problem = ddp_options_with_fsdp(cls.name, ddp_given)
+    if problem:
+        raise ConfigError(f"{problem}.")
 
 
 def _live_strategy(strategy: Strategy, compile: bool | dict[str, Any]) -> Strategy:
@@ -238,17 +227,11 @@ def _live_strategy(strategy: Strategy, compile: bool | dict[str, Any]) -> Strate
         ConfigError: another strategy, DDP options, or ``compile``.
     """
     inner = strategy.ddp if isinstance(strategy, Auto) else strategy
-    what = f"strategy={strategy.name!r}" if type(inner) not in (DDP, Live) else ""
-    if not what:
-        given = [name for name, _ in inner.given()] if isinstance(inner, DDP) else []
-        given += ["compile"] if compile else []
-        what = f"{given}" if given else ""
-    if what:
-        raise ConfigError(
-            f"live fault tolerance trains data-parallel replicas with plain gradient all-reduce: "
-            f"{what} is not supported with it. Use strategy='ddp' (or 'auto') without DDP "
-            "options, or fault_tolerance='restart'."
-        )
+    given = [f"{k}={v!r}" for k, v in inner.given()] if type(inner) is DDP else []
+    given += [f"compile={compile!r}"] if compile else []
+    problem = live_problem(inner.name, given)
+    if problem:
+        raise ConfigError(f"{problem}.")
     return Live()
 
 

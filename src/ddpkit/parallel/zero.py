@@ -61,9 +61,11 @@ def build_zero_optimizer(
         each rank's shard through ``torch.distributed.checkpoint``).
 
     Example:
-        >>> model = ddpkit.wrap_model(net, rt, strategy="zero1")          # doctest: +SKIP
+        >>> model = ddpkit.wrap_model(Net(), rt, strategy=ddpkit.ZeRO1())
         >>> opt = ddpkit.build_zero_optimizer(model.parameters(), rt,
         ...                                   optimizer_class=torch.optim.AdamW, lr=1e-3)
+        >>> type(opt).__name__
+        'ZeroRedundancyOptimizer'
     """
     if runtime.process_group is None:
         get_logger("parallel").info(

@@ -120,7 +120,7 @@ class Runtime:
             (:class:`~ddpkit.live.membership.LiveMembership`), or ``None``. Its quorum changes
             ``info`` (rank, world size) and ``process_group`` between operations.
         step_probe: the per-step figures of a loop ddpkit does not run
-            (:class:`~ddpkit.training.stragglers.LoopProbe`, attached by
+            (:class:`~ddpkit.monitoring.stragglers.LoopProbe`, attached by
             :func:`~ddpkit.wrap_model` to a DDP model), advanced by :meth:`stop_requested`;
             ``None`` when there is none or :class:`~ddpkit.TrainStep` took over.
 
@@ -170,7 +170,7 @@ class Runtime:
         <ddpkit.CheckpointManager.maybe_save>` calls it, saves and raises
         :class:`~ddpkit.TrainingStopped`. With a model of :func:`~ddpkit.wrap_model` in a loop
         without :class:`~ddpkit.TrainStep`, each call also ends a step of the straggler
-        detector (:class:`~ddpkit.training.stragglers.LoopProbe`: one all-reduce every 20).
+        detector (:class:`~ddpkit.monitoring.stragglers.LoopProbe`: one all-reduce every 20).
 
         Collective: call on every rank the same number of times. At world size 1 it answers
         from this process's own signals, without communication. ``False`` always when the

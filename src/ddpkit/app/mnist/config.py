@@ -29,7 +29,25 @@ from ddpkit.errors import ConfigError
 from ddpkit.files import unwritable_ancestor
 from ddpkit.launch.config import LaunchConfig, launch_rules
 from ddpkit.monitoring.trackers import check_tracker_names
-from ddpkit.parallel.choices import GRAD_COMPRESSIONS, STRATEGIES
+from ddpkit.parallel.choices import (
+    GRAD_COMPRESSIONS,
+    STRATEGIES,
+    resolved_strategy,
+    strategy_problems,
+)
+from ddpkit.parallel.rules import (
+    SHARDED,
+    compile_with_small_buckets,
+    compile_with_strategy,
+    ddp_options_with_fsdp,
+    ddp_options_without_ddp,
+    fsdp_options_without_fsdp,
+    live_problem,
+    local_sgd_with_comm_hook,
+    local_sgd_with_sharding,
+    local_sgd_with_static_graph,
+    loss_scaler_with_fsdp,
+)
 from ddpkit.runtime.config import RuntimeConfig
 from ddpkit.settings import at_least, field_problems, finite, option, resume_keys
 from ddpkit.training.choices import PRECISIONS
@@ -402,7 +420,9 @@ def check(config: TrainConfig, *, world_size: int | None = None) -> None:
             cannot work together (16-mixed with the non-finite guard, a static graph with
             accumulation or local SGD, local SGD with compression or Join or checks off its
             period, a strategy that does not fit the world size, DDP options without DDP or
-            with fsdp, fsdp's reshard_after_forward without fsdp, local SGD with zero1).
+            with fsdp, fsdp's reshard_after_forward without fsdp, local SGD with zero1). The
+            rules the library checks too are its lines (:mod:`ddpkit.parallel.rules`,
+            :mod:`ddpkit.parallel.choices`, :mod:`ddpkit.training.rules`, ...).
 
     Example::
 
@@ -456,39 +476,24 @@ def _compile_rules(c: TrainConfig) -> list[str]:
                 "used only when compiling. Add --compile, or drop --compile-backend"
             ]
         return []
-    problems = []
-    if c.strategy == "dp":
-        problems.append(
-            "compile=True with strategy='dp'. DataParallel replicates the module on every "
-            "forward, which torch.compile does not support. Use strategy='ddp' or drop --compile"
-        )
-    if c.bucket_cap_mb is not None and c.bucket_cap_mb < 1:
-        problems.append(
-            f"compile=True with bucket_cap_mb={c.bucket_cap_mb:g}. torch.compile's DDPOptimizer "
-            "needs buckets of at least its 1 MiB first bucket. Use --bucket-cap-mb 1 or more"
-        )
-    return problems
+    return _lines(compile_with_strategy(c.strategy), compile_with_small_buckets(c.bucket_cap_mb))
+
+
+def _lines(*problems: str | None) -> list[str]:
+    """The rules broken (the library's lines), without the ``None`` of those kept."""
+    return [problem for problem in problems if problem]
 
 
 def _local_sgd_rules(c: TrainConfig) -> list[str]:
     if c.sync_every == 1:
         return []
-    pair = f"sync_every={c.sync_every} with"
-    problems = (
-        [
-            f"{pair} grad_compression={c.grad_compression!r}. Local SGD sends no gradients to "
-            "compress. Pick one"
-        ]
-        if c.grad_compression != "none"
-        else []
+    hook = f"grad_compression={c.grad_compression!r}"
+    problems = _lines(
+        local_sgd_with_comm_hook(c.sync_every, hook) if c.grad_compression != "none" else None,
+        local_sgd_with_static_graph(c.sync_every) if c.static_graph else None,
+        join_with_local_sgd(c.join, c.sync_every),
+        local_sgd_with_sharding(c.strategy, c.sync_every),
     )
-    if c.static_graph:
-        problems.append(
-            f"{pair} static_graph=True. DDP fails in static-graph mode with gradient sync off, "
-            "and the static graph only speeds up the sync local SGD skips. Drop static_graph"
-        )
-    join = join_with_local_sgd(c.join, c.sync_every)
-    problems += [join] if join else []
     for name in ("check_replicas_every", "checkpoint_every"):
         if getattr(c, name) % c.sync_every:
             problems.append(
@@ -505,7 +510,6 @@ def _live_rules(c: TrainConfig) -> list[str]:
     if c.fault_tolerance != "live":
         return []
     given = {
-        "strategy": c.strategy not in ("auto", "ddp"),
         "grad_compression": c.grad_compression != "none",
         "sync_every": c.sync_every > 1,
         "sync_batchnorm": c.sync_batchnorm,
@@ -518,31 +522,19 @@ def _live_rules(c: TrainConfig) -> list[str]:
         "async_checkpoint": c.async_checkpoint,
         "precision": c.precision == "16-mixed",
     }
-    named = [f"{name}={getattr(c, name)!r}" for name, on in given.items() if on]
-    if not named:
-        return []
-    return [
-        f"fault_tolerance='live' with {', '.join(named)}. Live fault tolerance trains plain "
-        "data-parallel replicas whose gradients the step all-reduces (no DDP wrapper a dying "
-        "peer would break). Drop them, or use fault_tolerance='restart'"
-    ]
+    return _lines(live_problem(c.strategy, _named(c, given)))
+
+
+def _named(c: TrainConfig, given: dict[str, bool]) -> list[str]:
+    """``name=value`` of each field whose flag in ``given`` is on."""
+    return [f"{name}={getattr(c, name)!r}" for name, on in given.items() if on]
 
 
 def _strategy_rules(c: TrainConfig, world_size: int) -> list[str]:
-    strategy = c.strategy
-    if strategy == "auto":
-        strategy = "ddp" if world_size > 1 else "single"
-    if c.strategy in ("single", "dp") and world_size > 1:
-        return [
-            f"strategy={c.strategy!r} with world_size={world_size}. It runs in one process. "
-            "Use nproc=1 (--nproc 1), or strategy='ddp' for several processes"
-        ]
-    if strategy in ("ddp", "zero1", "fsdp") and world_size < 2:
-        return [
-            f"strategy={strategy!r} with world_size={world_size}. It needs 2 or more processes. "
-            "Use strategy='single', or nproc=2 or more"
-        ]
-    problems = _sharded_rules(c, strategy)
+    problems = strategy_problems(c.strategy, world_size)
+    if problems:
+        return problems
+    strategy = resolved_strategy(c.strategy, world_size)
     ddp_only = {
         "bucket_cap_mb": c.bucket_cap_mb is not None,
         "grad_as_bucket_view": c.grad_as_bucket_view,
@@ -550,52 +542,33 @@ def _strategy_rules(c: TrainConfig, world_size: int) -> list[str]:
         "sync_every": c.sync_every > 1,
         "sync_batchnorm": c.sync_batchnorm,
     }
-    given = [f"{name}={getattr(c, name)!r}" for name, on in ddp_only.items() if on]
-    if strategy in ("ddp", "zero1", "fsdp") or not given:
-        return problems
-    return problems + [
-        f"{', '.join(given)} with strategy={strategy!r} (world_size={world_size}). These "
-        f"configure DDP's gradient sync, and strategy {strategy!r} has none. Use 2 or more "
-        "processes (ddp), or drop them"
-    ]
+    given = _named(c, ddp_only)
+    return _sharded_rules(c, strategy) + _lines(
+        ddp_options_without_ddp(strategy, given, world_size)
+    )
 
 
 def _sharded_rules(c: TrainConfig, strategy: str) -> list[str]:
-    """What the sharded strategies do not take (ddp's own options, 16-mixed, local SGD)."""
+    """What the sharded strategies do not take (ddp's own options, 16-mixed), and what only
+    they take (asynchronous checkpoints, fsdp's resharding)."""
     problems = []
-    if c.async_checkpoint and strategy not in ("fsdp", "zero1"):
+    if c.async_checkpoint and strategy not in SHARDED:
         problems.append(
             f"async_checkpoint=True with strategy={strategy!r}. Only sharded checkpoints "
             "(fsdp, zero1) are written in the background. Use one of them, or drop "
             "--async-checkpoint"
         )
-    if not c.reshard_after_forward and strategy != "fsdp":
-        problems.append(
-            f"reshard_after_forward=False with strategy={strategy!r}. It configures FSDP's "
-            "fully_shard. Use strategy='fsdp', or drop --reshard-after-forward off"
-        )
-    if strategy == "zero1" and c.sync_every > 1:
-        problems.append(
-            f"sync_every={c.sync_every} with strategy='zero1'. Local SGD averages whole "
-            "replicas, and zero1 shards the optimizer state. Use strategy='ddp' for local SGD"
-        )
-    if strategy != "fsdp":
-        return problems
+    reshard = [] if c.reshard_after_forward else ["reshard_after_forward=False"]
     not_fsdp = {
         "bucket_cap_mb": c.bucket_cap_mb is not None,
         "grad_as_bucket_view": c.grad_as_bucket_view,
         "grad_compression": c.grad_compression != "none",
-        "sync_every": c.sync_every > 1,
         "find_unused_parameters": c.find_unused_parameters,
         "static_graph": c.static_graph,
-        "join": c.join,
-        "precision": c.precision == "16-mixed",
+        "join": c.join,  # Join drives DDP's join hooks (join_uneven_inputs needs DDP)
     }
-    given = [f"{name}={getattr(c, name)!r}" for name, on in not_fsdp.items() if on]
-    if given:
-        problems.append(
-            f"{', '.join(given)} with strategy='fsdp'. These configure DDP's gradient sync, "
-            "local SGD or Join (or need a loss scaler over sharded gradients: 16-mixed), which "
-            "FSDP does not use. Drop them (precision: bf16-mixed), or use strategy='ddp'"
-        )
-    return problems
+    return problems + _lines(
+        fsdp_options_without_fsdp(strategy, reshard),
+        ddp_options_with_fsdp(strategy, _named(c, not_fsdp)),
+        loss_scaler_with_fsdp(c.precision, strategy),
+    )

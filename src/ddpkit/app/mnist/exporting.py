@@ -19,10 +19,10 @@ from typing import Any
 
 from ddpkit.log import get_logger
 from ddpkit.monitoring.prometheus import MetricsServer
+from ddpkit.monitoring.stragglers import RankWindow, StragglerDetector
 from ddpkit.monitoring.trackers import Trackers, open_trackers
 from ddpkit.runtime.process_group import Runtime
 from ddpkit.training.step import StepResult
-from ddpkit.training.stragglers import RankWindow, StragglerDetector
 
 
 class Exporters:

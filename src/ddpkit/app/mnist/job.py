@@ -38,18 +38,29 @@ from ddpkit.data.sampler import ShardedLoader, build_eval_loader, build_train_lo
 from ddpkit.files import write_json_atomic
 from ddpkit.guards.nonfinite import NonFiniteError, NonFiniteGuard, check_replicas
 from ddpkit.log import get_logger
+from ddpkit.monitoring.observe import StepTimer
+from ddpkit.monitoring.stragglers import StragglerDetector
 from ddpkit.parallel.comm import CommStats
 from ddpkit.parallel.local_sgd import enable_local_sgd
+from ddpkit.parallel.strategy import (
+    DDP,
+    FSDP,
+    Auto,
+    DataParallel,
+    Single,
+    Strategy,
+    ZeRO1,
+    strategy_class,
+    wrapped_strategy,
+)
 from ddpkit.parallel.wrap import model_state_dict, wrap_model
 from ddpkit.parallel.zero import build_zero_optimizer
 from ddpkit.runtime.process_group import Runtime
 from ddpkit.runtime.stop import TrainingStopped
 from ddpkit.training.evaluate import evaluate
 from ddpkit.training.loop import train_epoch
-from ddpkit.training.observe import StepTimer
 from ddpkit.training.precision import MixedPrecision
 from ddpkit.training.step import TrainStep
-from ddpkit.training.stragglers import StragglerDetector
 
 if TYPE_CHECKING:
     from torch.distributed.optim import PostLocalSGDOptimizer
@@ -61,7 +72,8 @@ def build_model_and_optimizer(
     """The wrapped CNN for ``dataset`` and its optimizer, with the config's wrap-time options.
 
     ``zero1``: the optimizer is a ``ZeroRedundancyOptimizer``; ``fsdp``: the model is sharded
-    and its optimizer built over the shards (see :func:`_build_fsdp`).
+    and its optimizer built over the shards (see :func:`_build_fsdp`). The strategy object is
+    built from the config (:func:`_strategy`).
 
     Collective: call on every rank (DDP broadcasts rank 0's parameters).
 
@@ -71,14 +83,10 @@ def build_model_and_optimizer(
         one an LR schedule drives; ``comm_stats`` counts gradient and averaging bytes (``None``
         for ``dp``, which has no DDP hook, and for ``fsdp``, whose collectives are FSDP's).
     """
-    if config.strategy == "fsdp":
+    cls = strategy_class(config.strategy)
+    if cls is FSDP:
         return _build_fsdp(config, runtime, dataset)
-    ddp_kwargs: dict = _ddp_options(config, runtime) if config.strategy != "dp" else {}
-    if config.bucket_cap_mb is not None:
-        ddp_kwargs["bucket_cap_mb"] = config.bucket_cap_mb
-    if config.grad_as_bucket_view:
-        ddp_kwargs["gradient_as_bucket_view"] = True
-    stats = None if config.strategy == "dp" else CommStats()
+    stats = None if cls is DataParallel else CommStats()
     local_sgd = config.sync_every > 1
     # Without compression the gradients stay on DDP's built-in C++ all-reduce (the same path as
     # a hand-written DDP loop); the bytes are then counted per step, not by a Python hook.
@@ -86,16 +94,10 @@ def build_model_and_optimizer(
     model = wrap_model(
         build_model(dataset),
         runtime,
-        strategy=config.strategy,
-        sync_batchnorm=config.sync_batchnorm,
-        grad_compression=config.grad_compression,
-        comm_stats=stats if hooked else None,
-        powersgd_rank=config.powersgd_rank,
-        powersgd_start_step=config.powersgd_start_step,
+        strategy=_strategy(config, runtime, cls, stats if hooked else None),
         compile={"backend": config.compile_backend} if config.compile else False,
-        **ddp_kwargs,
     )  # DDP when world_size > 1; replicas start equal
-    if config.strategy == "zero1":  # the optimizer state sharded over the ranks
+    if isinstance(wrapped_strategy(model), ZeRO1):  # the optimizer state sharded over the ranks
         optimizer_class, kwargs = optimizer_spec(config.optimizer, config.lr)
         inner = build_zero_optimizer(
             model.parameters(), runtime, optimizer_class=optimizer_class, **kwargs
@@ -123,25 +125,50 @@ def _build_fsdp(
 ) -> tuple[nn.Module, torch.optim.Optimizer, torch.optim.Optimizer, CommStats | None]:
     """``--strategy fsdp``: each layer sharded (``fully_shard``), the optimizer over the shards
     (built after wrapping), FSDP's mixed precision from ``--precision``; no byte counter."""
-    model = wrap_model(
-        build_model(dataset),
-        runtime,
-        strategy="fsdp",
+    strategy = FSDP(
         sync_batchnorm=config.sync_batchnorm,
         reshard_after_forward=config.reshard_after_forward,
         precision=config.precision,
     )
+    compile = {"backend": config.compile_backend} if config.compile else False
+    model = wrap_model(build_model(dataset), runtime, strategy=strategy, compile=compile)
     optimizer = build_optimizer(config.optimizer, model.parameters(), config.lr)
     return model, optimizer, optimizer, None
 
 
-def _ddp_options(config: TrainConfig, runtime: Runtime) -> dict:
-    """DDP keyword arguments from the config (none at world size 1, where there is no DDP,
-    nor with live fault tolerance, whose replicas are plain modules)."""
-    if runtime.world_size == 1 or runtime.live is not None:
-        return {}
-    options = {"find_unused_parameters": config.find_unused_parameters}
-    return {**options, "static_graph": config.static_graph}
+def _strategy(
+    config: TrainConfig, runtime: Runtime, cls: type[Strategy], comm_stats: CommStats | None
+) -> Strategy:
+    """The object of ``--strategy`` (``cls``, not fsdp) with the config's options for it
+    (:func:`check` refused the options of another strategy); ``auto`` resolves in
+    ``wrap_model``."""
+    if cls is DataParallel or cls is Single:
+        return cls()
+    ddp = ZeRO1 if cls is ZeRO1 else DDP
+    strategy = ddp(
+        sync_batchnorm=config.sync_batchnorm,
+        grad_compression=config.grad_compression,
+        comm_stats=comm_stats,
+        powersgd_rank=config.powersgd_rank,
+        powersgd_start_step=config.powersgd_start_step,
+        **_ddp_options(config, runtime),
+    )
+    return Auto(ddp=strategy) if cls is Auto else strategy
+
+
+def _ddp_options(config: TrainConfig, runtime: Runtime) -> dict[str, Any]:
+    """DDP keyword arguments from the config (``find_unused_parameters`` and ``static_graph``:
+    not at world size 1, where there is no DDP, nor with live fault tolerance, whose replicas
+    are plain modules)."""
+    options: dict[str, Any] = {}
+    if runtime.world_size > 1 and runtime.live is None:
+        options["find_unused_parameters"] = config.find_unused_parameters
+        options["static_graph"] = config.static_graph
+    if config.bucket_cap_mb is not None:
+        options["bucket_cap_mb"] = config.bucket_cap_mb
+    if config.grad_as_bucket_view:
+        options["gradient_as_bucket_view"] = True
+    return options
 
 
 def _straggler_detector(config: TrainConfig, runtime: Runtime) -> StragglerDetector | bool:

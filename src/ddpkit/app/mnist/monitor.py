@@ -20,12 +20,12 @@ from ddpkit.app.mnist.exporting import Exporters
 from ddpkit.app.mnist.outputs import append_record
 from ddpkit.data.sampler import ShardedLoader
 from ddpkit.log import get_logger
+from ddpkit.monitoring.observe import StepTimer
+from ddpkit.monitoring.stragglers import RankWindow, StragglerDetector
 from ddpkit.runtime.collectives import all_reduce_sum
 from ddpkit.runtime.process_group import Runtime
 from ddpkit.training.device_values import DeviceSum, sequential_sum
-from ddpkit.training.observe import StepTimer
 from ddpkit.training.step import StepResult
-from ddpkit.training.stragglers import RankWindow, StragglerDetector
 
 _NOT_SCALARS = ("step", "epoch", "resumed_at_step")  # record keys that are no curve
 
