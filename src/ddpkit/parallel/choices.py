@@ -16,6 +16,8 @@ from __future__ import annotations
 __all__ = [
     "GRAD_COMPRESSIONS",
     "ONE_PROCESS",
+    "POWERSGD_RANK",
+    "POWERSGD_START_STEP",
     "SEVERAL_PROCESSES",
     "STRATEGIES",
     "resolved_strategy",
@@ -25,6 +27,11 @@ __all__ = [
 
 STRATEGIES = ("auto", "single", "ddp", "dp", "zero1", "fsdp")
 GRAD_COMPRESSIONS = ("none", "fp16", "bf16", "powersgd")
+# PowerSGD's defaults in ddpkit: rank 1 factors (torch's PowerSGDState default), and 10 backward
+# passes of plain all-reduce first (torch's default start_powerSGD_iter is 1,000; ddpkit starts
+# early so that short jobs compress at all)
+POWERSGD_RANK = 1
+POWERSGD_START_STEP = 10
 ONE_PROCESS = ("single", "dp")  # strategies of one process (no process group)
 SEVERAL_PROCESSES = ("ddp", "zero1", "fsdp")  # strategies that need a process group (2+ ranks)
 

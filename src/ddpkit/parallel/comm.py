@@ -42,7 +42,11 @@ from torch.nn.parallel import DistributedDataParallel
 
 from ddpkit.errors import ConfigError
 from ddpkit.log import get_logger
-from ddpkit.parallel.choices import GRAD_COMPRESSIONS  # torch-free: the train flags read them
+from ddpkit.parallel.choices import (  # torch-free: the train flags read them
+    GRAD_COMPRESSIONS,
+    POWERSGD_RANK,
+    POWERSGD_START_STEP,
+)
 from ddpkit.runtime.process_group import Runtime
 
 
@@ -207,8 +211,8 @@ def register_grad_hook(
     *,
     grad_compression: str = "none",
     comm_stats: CommStats | None = None,
-    powersgd_rank: int = 1,
-    powersgd_start_step: int = 10,
+    powersgd_rank: int = POWERSGD_RANK,
+    powersgd_start_step: int = POWERSGD_START_STEP,
 ) -> CommStats:
     """Register the DDP comm hook for ``grad_compression`` on ``model``, counting bytes in
     ``comm_stats`` (the names :func:`~ddpkit.wrap_model` uses).

@@ -54,7 +54,13 @@ from torch.nn.parallel import DistributedDataParallel
 from ddpkit.errors import ConfigError, DistributedError
 from ddpkit.guards.wrapped import WrapGuard, verify_same_parameters
 from ddpkit.log import get_logger
-from ddpkit.parallel.choices import SEVERAL_PROCESSES, resolved_strategy, strategy_problems
+from ddpkit.parallel.choices import (
+    POWERSGD_RANK,
+    POWERSGD_START_STEP,
+    SEVERAL_PROCESSES,
+    resolved_strategy,
+    strategy_problems,
+)
 from ddpkit.parallel.comm import (
     CommStats,
     check_compression,
@@ -232,8 +238,8 @@ class DDP(Strategy):
         bucket_cap_mb: float | None = None,
         grad_compression: str = "none",
         comm_stats: CommStats | None = None,
-        powersgd_rank: int = 1,
-        powersgd_start_step: int = 10,
+        powersgd_rank: int = POWERSGD_RANK,
+        powersgd_start_step: int = POWERSGD_START_STEP,
         sync_batchnorm: bool = False,
         **ddp_kwargs: Any,
     ) -> None:

@@ -4,7 +4,8 @@ Every flag of ``ddpkit train`` is a field of a section, declared once with its h
 allowed values and (``resume=True``) whether a resumed run must keep it. The sections of what
 the library configures live next to it and are composed here: the processes
 (:class:`~ddpkit.launch.config.LaunchConfig`, whose flags ``ddpkit run`` has too), the process
-group (:class:`~ddpkit.runtime.config.RuntimeConfig`) and the checkpoints
+group (:class:`~ddpkit.runtime.config.RuntimeConfig`), the wrapping
+(:class:`~ddpkit.parallel.config.WrapConfig`) and the checkpoints
 (:class:`~ddpkit.checkpoint.config.CheckpointConfig`); the job's own are below. The
 command-line flags, the ``--config`` TOML file (one ``[section]`` per class) and the
 resume-compatibility keys are all generated from these fields. :func:`check` applies every
@@ -29,12 +30,8 @@ from ddpkit.errors import ConfigError
 from ddpkit.files import unwritable_ancestor
 from ddpkit.launch.config import LaunchConfig, launch_rules
 from ddpkit.monitoring.trackers import check_tracker_names
-from ddpkit.parallel.choices import (
-    GRAD_COMPRESSIONS,
-    STRATEGIES,
-    resolved_strategy,
-    strategy_problems,
-)
+from ddpkit.parallel.choices import resolved_strategy, strategy_problems
+from ddpkit.parallel.config import WrapConfig
 from ddpkit.parallel.rules import (
     SHARDED,
     compile_with_small_buckets,
@@ -52,8 +49,6 @@ from ddpkit.runtime.config import RuntimeConfig
 from ddpkit.settings import at_least, field_problems, finite, option, resume_keys
 from ddpkit.training.choices import PRECISIONS
 from ddpkit.training.rules import join_with_local_sgd, static_graph_with_accumulation
-
-COMPILE_BACKENDS = ("inductor", "aot_eager", "eager")
 
 
 def _output_dir_rule(path: str) -> str | None:
@@ -145,90 +140,6 @@ class DataConfig:
         True,
         "never download MNIST; use the cache or --data-dir (in --config: download = false)",
         flag="--no-download",
-    )
-
-
-@dataclass(frozen=True)
-class WrapConfig:
-    """strategy and gradient communication"""
-
-    strategy: str = option(
-        "auto",
-        "auto: ddp for 2+ processes, single for one; dp: DataParallel over 2+ GPUs in "
-        "one process (--nproc 1; an error without 2 GPUs; PyTorch recommends ddp instead); "
-        "zero1: ddp with the optimizer state sharded (ZeroRedundancyOptimizer); fsdp: "
-        "parameters, gradients and optimizer state sharded (FSDP2 fully_shard on each layer), "
-        "checkpoints saved by every rank (torch.distributed.checkpoint)",
-        choices=STRATEGIES,
-    )
-    reshard_after_forward: bool = option(
-        True,
-        "fsdp: free each layer's gathered parameters after its forward and gather them "
-        "again in backward (on, default: ZeRO-3) or keep them until backward (off: ZeRO-2, "
-        "more memory, fewer all-gathers)",
-        on_off=True,
-    )
-    bucket_cap_mb: float | None = option(
-        None,
-        "DDP gradient bucket size in MiB; buckets all-reduce while backward runs "
-        "(default: torch's 25 MiB, first bucket 1 MiB)",
-        check=finite(above=0),
-        metavar="MIB",
-    )
-    grad_as_bucket_view: bool = option(
-        False,
-        "make gradients views into DDP's buckets: one copy less per step and no "
-        "separate gradient memory (same results)",
-    )
-    grad_compression: str = option(
-        "none",
-        "how gradients are all-reduced: none (float32), fp16/bf16 (cast: half the "
-        "bytes), powersgd (low-rank factors, see --powersgd-*). Bytes per step are reported "
-        "as comm_bytes_per_step (default %(default)s)",
-        choices=GRAD_COMPRESSIONS,
-    )
-    powersgd_rank: int = option(
-        1,
-        "rank of PowerSGD's factors P and Q (default %(default)s)",
-        check=at_least(1),
-        metavar="R",
-    )
-    powersgd_start_step: int = option(
-        10,
-        "optimizer steps with plain all-reduce before PowerSGD compresses "
-        "(>= 2; default %(default)s)",
-        check=at_least(2),
-        metavar="STEPS",
-    )
-    sync_every: int = option(
-        1,
-        "1: all-reduce gradients every step (default). H >= 2: local SGD, each rank "
-        "steps on its own gradients and parameters are averaged every H steps and at each "
-        "epoch end (about H times fewer bytes). --check-replicas-every and "
-        "--checkpoint-every must then be multiples of H (replicas agree only after averaging)",
-        check=at_least(1),
-        resume=True,
-        metavar="H",
-    )
-    sync_batchnorm: bool = option(
-        False,
-        "convert BatchNorm layers to synchronised ones (statistics over all ranks' "
-        "samples); the MNIST CNN has no BatchNorm, so here it only logs that",
-    )
-    compile: bool = option(
-        False,
-        "torch.compile the wrapped model (after DDP, in place: checkpoints keep their "
-        "keys and resume either way). The first step compiles (seconds to a minute on CPU, "
-        "where inductor did not beat eager for this CNN; see docs/performance.md); gradients "
-        "are compared across ranks before the first 3 optimizer steps",
-    )
-    compile_backend: str = option(
-        "inductor",
-        "torch.compile backend with --compile: inductor (default; generates "
-        "kernels), aot_eager (traces forward and backward, runs them eagerly: fast to compile), "
-        "eager (tracing only)",
-        choices=COMPILE_BACKENDS,
-        metavar="NAME",
     )
 
 
