@@ -194,16 +194,21 @@ def test_the_strategy_rules_are_the_librarys_lines(settings, world_size, rule, a
 def test_run_and_train_take_the_launch_flags_from_one_declaration():
     from ddpkit.cli import build_parser
     from ddpkit.launch.config import LaunchConfig
-    from ddpkit.settings import fields_of
+    from ddpkit.settings import fields_of, help_of
 
     parsers = build_parser().get_default("subcommand_parsers")
     run, train = ({a.dest: a for a in parsers[name]._actions} for name in ("run", "train"))
     for field in fields_of(LaunchConfig):
         ours, theirs = run[field.name], train[field.name]
         assert ours.option_strings[-1] == theirs.option_strings[-1], field.name
-        for what in ("help", "type", "choices", "metavar", "default"):
+        for what in ("type", "choices", "metavar", "default"):
             assert getattr(ours, what) == getattr(theirs, what), (field.name, what)
+        # the shared help, each command adding only what holds for it alone
+        assert ours.help.startswith(help_of(field).replace("%", "%%")), field.name
+        assert theirs.help.startswith(help_of(field).replace("%", "%%")), field.name
     assert run["nproc"].option_strings == ["-n", "--nproc"] and run["nproc"].required
+    assert "GPU" in train["nproc"].help and "GPU" not in run["nproc"].help
+    assert "--nnodes" in run["max_restarts"].help and "--nnodes" not in train["max_restarts"].help
 
 
 def test_defaults_pass_and_world_size_rules_wait_for_a_world_size():

@@ -24,6 +24,7 @@ def add_settings_arguments(
     config_file: bool = True,
     short: Mapping[str, str] | None = None,
     required: Collection[str] = (),
+    notes: Mapping[str, str] | None = None,
 ) -> None:
     """One argument group per section (``{"step": StepConfig, ...}``), one flag per field.
 
@@ -34,6 +35,8 @@ def add_settings_arguments(
             group titles).
         short: ``{field name: "-n"}``: a short flag before the long one.
         required: the names of the fields the command line must give.
+        notes: ``{field name: text}``: what this command adds to a shared field's help (a
+            section shared by two commands states only what holds for both).
     """
     for name, cls in sections.items():
         title = (cls.__doc__ or name).strip().splitlines()[0]
@@ -44,7 +47,10 @@ def add_settings_arguments(
             flags = [flag_of(field)]
             if short and field.name in short:
                 flags.insert(0, short[field.name])
-            group.add_argument(*flags, **_argument(cls, field), required=field.name in required)
+            argument = _argument(cls, field)
+            if notes and field.name in notes:
+                argument["help"] += _escaped(notes[field.name])
+            group.add_argument(*flags, **argument, required=field.name in required)
 
 
 def _argument(cls: type, field: Any) -> dict[str, Any]:

@@ -8,7 +8,7 @@ import shlex
 
 from ddpkit.cli.flags import add_settings_arguments, given_settings
 from ddpkit.errors import ConfigError
-from ddpkit.launch.config import LaunchConfig, default_max_restarts
+from ddpkit.launch.config import ELASTIC_MAX_RESTARTS, LaunchConfig, default_max_restarts
 from ddpkit.launch.elastic import RDZV_CONF_KEYS
 from ddpkit.launch.spec import LaunchSpec, spec_of, validate_spec
 
@@ -39,7 +39,12 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     add_settings_arguments(
-        parser, LAUNCH, config_file=False, short={"nproc": "-n"}, required=("nproc",)
+        parser,
+        LAUNCH,
+        config_file=False,
+        short={"nproc": "-n"},
+        required=("nproc",),
+        notes={"max_restarts": f"; --nnodes MIN:MAX: {ELASTIC_MAX_RESTARTS}, one per node lost"},
     )
     parser.add_argument(
         "--omp-num-threads",

@@ -66,7 +66,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         action="store_true",
         help="print the resolved settings as TOML (a start for --config) and exit",
     )
-    add_settings_arguments(parser, SECTIONS)
+    add_settings_arguments(
+        parser, SECTIONS, notes={"nproc": " (default: one per GPU on CUDA, else 2)"}
+    )
     parser.add_argument(WORKER_FLAG, default=None, help=argparse.SUPPRESS)
     parser.set_defaults(handler=run)
 

@@ -56,16 +56,15 @@ class LaunchConfig:
 
     nproc: int | None = option(
         None,
-        "local processes (ranks) to start (ddpkit train's default: one per GPU on CUDA, else 2)",
+        "local processes (ranks) to start",
         check=at_least(1),
         metavar="N",
     )
     max_restarts: int = option(
         0,
         "restart all ranks up to R times after a failure; a job that saves checkpoints "
-        "resumes from the newest complete one (default %(default)s; --fault-tolerance live: R "
-        f"replacement processes, default {LIVE_MAX_RESTARTS}; ddpkit run --nnodes MIN:MAX: "
-        f"{ELASTIC_MAX_RESTARTS}, one per node lost)",
+        "resumes from the newest complete one. Default %(default)s; --fault-tolerance live: R "
+        f"replacement processes, default {LIVE_MAX_RESTARTS}",
         check=at_least(0),
         metavar="R",
     )
@@ -88,7 +87,7 @@ class LaunchConfig:
         "restart",
         "restart: a failed rank stops every rank (restarted with --max-restarts from the "
         "newest checkpoint); live: the others keep training and a replacement (up to "
-        "--max-restarts) heals from them (one node, strategy ddp, the script trains through "
+        "--max-restarts) heals from them (one node, strategy ddp, training through "
         "ddpkit.TrainStep; docs/fault-tolerance.md). Default %(default)s",
         choices=FAULT_TOLERANCE_MODES,
     )
