@@ -9,13 +9,14 @@ declaration is read by everything else, so a setting is stated once:
   settings class (``sections`` maps each section name to its class);
 - ``ddpkit.cli.flags`` generates the argparse flags, one group per section.
 
-Example::
-
-    @dataclass(frozen=True)
-    class StepConfig:
-        grad_accum: int = option(1, "micro-batches per optimizer step", check=at_least(1))
-
-    field_problems(StepConfig(grad_accum=0))  # ["grad_accum=0 must be >= 1"]
+Example:
+    >>> from dataclasses import dataclass
+    >>> from ddpkit.settings import at_least, field_problems, option
+    >>> @dataclass(frozen=True)
+    ... class StepConfig:
+    ...     grad_accum: int = option(1, "micro-batches per optimizer step", check=at_least(1))
+    >>> field_problems(StepConfig(grad_accum=0))
+    ['grad_accum=0 must be >= 1']
 """
 
 from __future__ import annotations

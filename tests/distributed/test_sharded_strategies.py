@@ -313,7 +313,7 @@ def test_what_does_not_apply_to_sharded_strategies_is_refused_in_one_line():
         "and FSDP reduce-scatters",
         "bucket_cap_mb=1 with strategy='fsdp'. These configure DDP's",
         "precision='bf16-mixed' with strategy='ddp'. These configure FSDP's fully_shard",
-        "precision for strategy='fsdp': precision='16-mixed'. FSDP takes 32 or bf16-mixed",
+        "precision='16-mixed' with strategy='fsdp'. Its loss scaler does not handle",
         "invalid FSDP wrap policy: wrap_policy=3.",
         "sync_every=2 with strategy='fsdp'. Local SGD averages whole replicas",
         "sync_every=2 with strategy='zero1'. Local SGD averages whole replicas",
@@ -330,7 +330,9 @@ def test_what_does_not_apply_to_sharded_strategies_is_refused_in_one_line():
 def test_sharded_strategies_need_a_process_group_and_options_are_checked_at_world_size_1():
     rt = Runtime(ProcessInfo())
     for strategy in ("fsdp", "zero1"):
-        with pytest.raises(ddpkit.DistributedError, match=f"strategy='{strategy}' needs a process"):
+        with pytest.raises(
+            ddpkit.DistributedError, match=f"strategy='{strategy}' with world_size=1. It needs 2"
+        ):
             ddpkit.wrap_model(_net(), rt, strategy=strategy)
     with pytest.raises(
         ddpkit.ConfigError, match="reshard_after_forward=False with strategy='auto'. These"

@@ -6,9 +6,13 @@ On real ranks (objects and strings wrap alike): tests/distributed/test_sharded_s
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import doctest
+import gc
 import logging
+import pickle
+import weakref
 
 import pytest
 import torch
@@ -79,7 +83,11 @@ def test_ddp_options_are_kept_and_passed_on_only_when_given():
             "invalid gradient compression: powersgd_rank=0 must be an integer >= 1",
         ),
         (lambda: ddpkit.DDP(bucket_capmb=5), "unknown DDP option for wrap_model: bucket_capmb=5."),
-        (lambda: ddpkit.FSDP(precision="16-mixed"), "precision for strategy='fsdp': precision="),
+        (
+            lambda: ddpkit.FSDP(precision="16-mixed"),
+            "precision='16-mixed' with strategy='fsdp'. Its loss scaler does not handle",
+        ),
+        (lambda: ddpkit.FSDP(precision="64"), "precision for strategy='fsdp': precision='64'."),
         (lambda: ddpkit.FSDP(wrap_policy=3), "invalid FSDP wrap policy: wrap_policy=3."),
         (
             lambda: ddpkit.FSDP(reshard_after_forward="yes"),
@@ -165,7 +173,9 @@ def test_wrap_model_takes_an_object_and_records_it():
     other = nn.Linear(2, 2)
     assert ddpkit.wrapped_strategy(ddpkit.wrap_model(other, SINGLE)) == ddpkit.Single()
     assert ddpkit.wrapped_strategy(nn.DataParallel(nn.Linear(2, 2))) == ddpkit.DataParallel()
-    with pytest.raises(ddpkit.DistributedError, match="strategy='zero1' needs a process group"):
+    with pytest.raises(
+        ddpkit.DistributedError, match="strategy='zero1' with world_size=1. It needs 2 or more"
+    ):
         ddpkit.wrap_model(nn.Linear(2, 2), SINGLE, strategy=ddpkit.ZeRO1())
     with pytest.raises(ddpkit.ConfigError, match="model is already wrapped in DataParallel"):
         ddpkit.wrap_model(nn.DataParallel(nn.Linear(2, 2)), SINGLE, strategy=single)
@@ -221,6 +231,14 @@ def test_a_strategy_name_with_keyword_options_builds_the_same_object(name, optio
         ("ddp", {"precision": "bf16-mixed"}, "precision='bf16-mixed' with strategy='ddp'. These"),
         ("fsdp", {"bucket_cap_mb": 1}, "bucket_cap_mb=1 with strategy='fsdp'. These configure"),
         ("auto", {"grad_compression": "int8"}, "invalid gradient compression: grad_compression="),
+        # fsdp: PowerSGD's settings are checked (as before the objects), and refused when given
+        ("fsdp", {"powersgd_rank": 0}, "invalid gradient compression: powersgd_rank=0 must be"),
+        ("fsdp", {"powersgd_rank": 4}, "powersgd_rank=4 with strategy='fsdp'. These configure"),
+        (
+            "fsdp",
+            {"powersgd_start_step": 20, "comm_stats": ddpkit.CommStats()},
+            "comm_stats=CommStats(...), powersgd_start_step=20 with strategy='fsdp'. These",
+        ),
     ],
 )
 def test_the_shim_keeps_the_refusals_of_the_keyword_form(name, options, expected):
@@ -242,3 +260,109 @@ def test_sharded_strategies_refuse_an_optimizer_that_undoes_them():
         ddpkit.FSDP().check_optimizer(sgd, loss_scaled=False)
     for strategy in (ddpkit.DDP(), ddpkit.Single(), ddpkit.Live()):
         strategy.check_optimizer(sgd, loss_scaled=True)  # nothing to refuse
+
+
+@pytest.mark.parametrize("cls", [ddpkit.DDP, ddpkit.ZeRO1])
+def test_a_ddp_object_is_replaced_rebuilt_and_copied_through_its_init_and_stays_frozen(cls):
+    ddp = cls(bucket_cap_mb=5, static_graph=True)
+    wider = dataclasses.replace(ddp, bucket_cap_mb=10)
+    assert wider == cls(bucket_cap_mb=10, static_graph=True)
+    assert wider.ddp_kwargs() == {"bucket_cap_mb": 10, "static_graph": True}
+    assert cls(bucket_cap_mb=5, extra={"static_graph": True}) == ddp  # what the repr names
+    assert cls(extra={"static_graph": True}, find_unused_parameters=True).ddp_kwargs() == {
+        "static_graph": True,
+        "find_unused_parameters": True,
+    }
+    assert pickle.loads(pickle.dumps(ddp)) == ddp and copy.deepcopy(ddp) == ddp
+    with pytest.raises(TypeError):
+        ddp.extra["static_graph"] = False  # type: ignore[index]
+    with pytest.raises(ddpkit.ConfigError, match="unknown DDP option for wrap_model: bogus=1"):
+        cls(extra={"bogus": 1})
+
+
+@pytest.mark.parametrize("ddp", [ddpkit.FSDP(), "ddp", ddpkit.Single(), None])
+def test_auto_takes_only_a_ddp_object(ddp):
+    with pytest.raises(ddpkit.ConfigError) as info:
+        ddpkit.Auto(ddp=ddp)
+    assert str(info.value).startswith(f"invalid Auto option: ddp={ddp!r}. Auto runs DDP")
+    assert "\n" not in str(info.value)
+
+
+def test_a_live_job_ignores_the_gradient_sync_check_as_it_always_did():
+    live = Runtime(ProcessInfo(), live=object())  # type: ignore[arg-type]  # a member alone
+    net = nn.Linear(2, 2)
+    assert ddpkit.wrap_model(net, live, grad_sync_check_steps=3) is net
+    assert ddpkit.wrapped_strategy(net) == ddpkit.Live()
+
+
+def test_each_rule_is_stated_once():
+    from ddpkit.parallel import compile as compile_module
+    from ddpkit.parallel import config as config_module
+    from ddpkit.parallel.rules import loss_scaler_with_fsdp
+    from ddpkit.settings import help_of
+
+    with pytest.raises(ddpkit.ConfigError) as info:
+        ddpkit.FSDP(precision="16-mixed")
+    assert str(info.value) == f"{loss_scaler_with_fsdp('16-mixed', 'fsdp')}."
+    for strategy in (ddpkit.DDP(), ddpkit.ZeRO1(), ddpkit.FSDP()):
+        with pytest.raises(ddpkit.DistributedError) as raised:
+            strategy.check_runtime(SINGLE)
+        assert str(raised.value) == f"{strategy.problems(1)[0]}."
+    two = Runtime(ProcessInfo(world_size=2, local_world_size=2))  # no process group
+    ddpkit.Single().check_runtime(two)  # allowed, as before the strategy objects
+    assert compile_module.DEFAULT_CHECK_STEPS is choices.DEFAULT_CHECK_STEPS
+    help_text = help_of(config_module.WrapConfig.__dataclass_fields__["compile"])
+    assert f"the first {choices.DEFAULT_CHECK_STEPS} optimizer steps" in help_text
+
+
+def test_the_defaults_come_from_the_strategy_objects_and_the_job_builds_every_strategy():
+    from ddpkit.app.mnist.config import TrainConfig
+    from ddpkit.app.mnist.job import strategy_of
+
+    assert wrap_module._FSDP_DEFAULTS == {
+        "wrap_policy": None,
+        "reshard_after_forward": choices.FSDP_RESHARD_AFTER_FORWARD,
+        "precision": choices.FSDP_PRECISION,
+    }
+    assert set(wrap_module._HOOK_DEFAULTS) == {
+        "grad_compression",
+        "comm_stats",
+        "powersgd_rank",
+        "powersgd_start_step",
+    }
+    fsdp = TrainConfig(strategy="fsdp", reshard_after_forward=False, precision="bf16-mixed")
+    assert strategy_of(fsdp, SINGLE) == ddpkit.FSDP(
+        reshard_after_forward=False, precision="bf16-mixed"
+    )
+    assert strategy_of(TrainConfig(strategy="dp"), SINGLE) == ddpkit.DataParallel()
+    assert strategy_of(TrainConfig(strategy="zero1", bucket_cap_mb=5), SINGLE) == ddpkit.ZeRO1(
+        bucket_cap_mb=5
+    )
+    assert strategy_of(TrainConfig(), SINGLE) == ddpkit.Auto()
+
+
+def test_the_recorded_strategy_does_not_keep_the_model_alive():
+    from ddpkit.parallel import local_sgd
+
+    net = nn.Linear(2, 2)
+    freed = weakref.ref(net)
+    strategy_module.record_strategy(net, ddpkit.FSDP(wrap_policy=lambda m, owner=net: m is owner))
+    assert isinstance(ddpkit.wrapped_strategy(net), ddpkit.FSDP)
+    del net
+    gc.collect()
+    assert freed() is None
+    assert not hasattr(ddpkit.Strategy, "replicated") and not hasattr(ddpkit.Strategy, "compilable")
+    assert not hasattr(local_sgd, "is_local_sgd_model")
+
+
+def test_strategy_class_names_the_allowed_values_and_the_docstrings_say_what_wraps():
+    with pytest.raises(ddpkit.ConfigError) as info:
+        strategy_module.strategy_class("fsdp2")
+    assert str(info.value).startswith(
+        "unknown strategy: strategy='fsdp2'. Allowed: auto, single, ddp, dp, zero1, fsdp, live."
+    )
+    for wrap in (ddpkit.DDP.wrap, ddpkit.FSDP.wrap):
+        assert "Collective: call on every rank" in (wrap.__doc__ or "")
+        assert "WrappedModelError:" in (wrap.__doc__ or "")
+    for cls in (ddpkit.DDP, ddpkit.FSDP, ddpkit.DataParallel):
+        assert "ddpkit.wrapped_strategy(model)" in (cls.__doc__ or ""), cls

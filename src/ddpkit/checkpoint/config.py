@@ -6,10 +6,12 @@ of ``--config``) and hands the values to :class:`~ddpkit.checkpoint.manager.Chec
 (``every_steps``, ``async_save``, ``unsafe_pickle``; ``keep_last`` is :data:`KEEP_LAST`).
 :func:`checkpoint_rules` says what the settings cannot do together.
 
-Example::
-
-    checkpoint_rules(CheckpointConfig(async_checkpoint=True))
-    # ["async_checkpoint=True with checkpoint_every=0. Only the periodic checkpoints are ..."]
+Example:
+    >>> from ddpkit.checkpoint.config import CheckpointConfig, checkpoint_rules
+    >>> checkpoint_rules(CheckpointConfig(async_checkpoint=True))
+    ["async_checkpoint=True with checkpoint_every=0. Only the periodic checkpoints are ..."]
+    >>> checkpoint_rules(CheckpointConfig(async_checkpoint=True, checkpoint_every=100))
+    []
 """
 
 from __future__ import annotations

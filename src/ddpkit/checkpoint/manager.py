@@ -13,15 +13,15 @@ compared across ranks (:mod:`ddpkit.checkpoint.consistency`): a copy that differ
 is reported, never silently dropped. An LR scheduler or a used ``GradScaler`` left out of the
 state is named in one warning (:mod:`ddpkit.checkpoint.forgotten`).
 
-Example::
-
-    state = {"model": model, "optimizer": opt, "scheduler": sched, "loader": train_loader}
-    ckpt = CheckpointManager("runs/ckpt", rt, state=state, keep_last=3, every_steps=100)
-    step = ckpt.resume()
-    while step < total_steps:
-        for x, y in train_loader:
-            ...; step += 1
-            ckpt.maybe_save(step)
+Example:
+    >>> state = {"model": model, "optimizer": opt, "scheduler": schedule, "loader": loader}
+    >>> ckpt = CheckpointManager("runs/ckpt", rt, state=state, keep_last=3, every_steps=2)
+    >>> step = ckpt.resume()  # the newest checkpoint's step, all of state back; 0: none yet
+    >>> train_step = TrainStep(model, opt, runtime=rt, start_step=step)
+    >>> for result in train_epoch(train_step, loader):  # 4 steps: saved after 2 and 4
+    ...     path = ckpt.maybe_save(result.step)
+    >>> ckpt.resume()  # as a restarted job would
+    4
 """
 
 from __future__ import annotations

@@ -7,11 +7,14 @@ flag, default, help and check. ``ddpkit run`` generates its flags from it
 :func:`ddpkit.launch.spec.validate_spec` checks a :class:`~ddpkit.launch.spec.LaunchSpec`
 against the same fields and :func:`launch_rules`.
 
-Example::
-
-    settings = LaunchConfig(nproc=2, spares=1)
-    field_problems(settings) + launch_rules(settings)
-    # ["spares=1 with fault_tolerance='restart'. Spares take over lost ranks of a live job ..."]
+Example:
+    >>> from ddpkit.launch.config import LaunchConfig, launch_rules
+    >>> from ddpkit.settings import field_problems
+    >>> settings = LaunchConfig(nproc=2, spares=1)
+    >>> field_problems(settings)  # each field's own check passed
+    []
+    >>> launch_rules(settings)  # the rules between fields
+    ["spares=1 with fault_tolerance='restart'. Spares take over lost ranks of a live job ..."]
 """
 
 from __future__ import annotations

@@ -14,6 +14,9 @@ Example:
 from __future__ import annotations
 
 __all__ = [
+    "DEFAULT_CHECK_STEPS",
+    "FSDP_PRECISION",
+    "FSDP_RESHARD_AFTER_FORWARD",
     "GRAD_COMPRESSIONS",
     "ONE_PROCESS",
     "POWERSGD_RANK",
@@ -32,6 +35,12 @@ GRAD_COMPRESSIONS = ("none", "fp16", "bf16", "powersgd")
 # early so that short jobs compress at all)
 POWERSGD_RANK = 1
 POWERSGD_START_STEP = 10
+# FSDP's defaults in ddpkit (FSDP(), wrap_fsdp and --reshard-after-forward): ZeRO-3, float32
+FSDP_RESHARD_AFTER_FORWARD = True
+FSDP_PRECISION = "32"
+# optimizer steps whose gradients are compared across ranks under compile (wrap_model's default,
+# named in --compile's help)
+DEFAULT_CHECK_STEPS = 3
 ONE_PROCESS = ("single", "dp")  # strategies of one process (no process group)
 SEVERAL_PROCESSES = ("ddp", "zero1", "fsdp")  # strategies that need a process group (2+ ranks)
 

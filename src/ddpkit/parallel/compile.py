@@ -42,11 +42,11 @@ from torch import nn
 from ddpkit.errors import ConfigError
 from ddpkit.guards.grad_sync import attach_grad_sync_check
 from ddpkit.log import get_logger
+from ddpkit.parallel.choices import DEFAULT_CHECK_STEPS
 from ddpkit.parallel.rules import compile_with_small_buckets, compile_with_strategy
-from ddpkit.parallel.strategy import DDP, FSDP, Single, Strategy
+from ddpkit.parallel.strategy import DDP, FSDP, Live, Single, Strategy
 from ddpkit.runtime.process_group import Runtime
 
-DEFAULT_CHECK_STEPS = 3  # optimizer steps whose gradients are compared under compile
 _ONE_MIB = 1024 * 1024
 
 
@@ -89,15 +89,19 @@ def prepare_compile(
 
     Returns:
         ``(torch.compile keyword arguments or None for off, optimizer steps to check)``; the
-        steps default to 3 under compile with DDP, else 0.
+        steps default to :data:`~ddpkit.parallel.choices.DEFAULT_CHECK_STEPS` under compile
+        with DDP, else 0.
 
     Raises:
         ConfigError: a bad ``compile`` value or key; ``dp`` with compile; ``bucket_cap_mb``
             below DDPOptimizer's first bucket; ``grad_sync_check_steps`` negative, or given for
-            a strategy whose gradients DDP does not all-reduce (``dp``, ``fsdp``, ``live``).
+            a strategy whose gradients DDP does not all-reduce (``dp``, ``fsdp``; ``live``
+            ignores it).
     """
     options = compile_options(compile)
-    steps = grad_sync_check_steps
+    # live: TrainStep all-reduces the gradients itself; the check is ignored there, as it always
+    # was (a live job cannot switch to ddp to follow advice about it)
+    steps = 0 if isinstance(strategy, Live) else grad_sync_check_steps
     if steps is None:
         steps = DEFAULT_CHECK_STEPS if options is not None and strategy.ddp_gradients else 0
     if isinstance(steps, bool) or not isinstance(steps, int) or steps < 0:

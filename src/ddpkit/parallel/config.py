@@ -7,10 +7,13 @@ are the library's own (:mod:`ddpkit.parallel.rules`, :func:`~ddpkit.parallel.cho
 strategy_problems`). The defaults the strategy objects share (PowerSGD's) come from
 :mod:`ddpkit.parallel.choices`.
 
-Example::
-
-    settings = WrapConfig(strategy="ddp", grad_compression="powersgd")
-    field_problems(settings)  # [] : each field's own check passed
+Example:
+    >>> from ddpkit.parallel.config import WrapConfig
+    >>> from ddpkit.settings import field_problems
+    >>> field_problems(WrapConfig(strategy="ddp", grad_compression="powersgd"))
+    []
+    >>> field_problems(WrapConfig(strategy="ddpp"))
+    ["strategy='ddpp' must be one of 'auto', 'single', 'ddp', ..."]
 """
 
 from __future__ import annotations
@@ -18,6 +21,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ddpkit.parallel.choices import (
+    DEFAULT_CHECK_STEPS,
+    FSDP_RESHARD_AFTER_FORWARD,
     GRAD_COMPRESSIONS,
     POWERSGD_RANK,
     POWERSGD_START_STEP,
@@ -44,7 +49,7 @@ class WrapConfig:
         choices=STRATEGIES,
     )
     reshard_after_forward: bool = option(
-        True,
+        FSDP_RESHARD_AFTER_FORWARD,
         "fsdp: free each layer's gathered parameters after its forward and gather them "
         "again in backward (on, default: ZeRO-3) or keep them until backward (off: ZeRO-2, "
         "more memory, fewer all-gathers)",
@@ -102,7 +107,7 @@ class WrapConfig:
         "torch.compile the wrapped model (after DDP, in place: checkpoints keep their "
         "keys and resume either way). The first step compiles (seconds to a minute on CPU, "
         "where inductor did not beat eager for this CNN; see docs/performance.md); gradients "
-        "are compared across ranks before the first 3 optimizer steps",
+        f"are compared across ranks before the first {DEFAULT_CHECK_STEPS} optimizer steps",
     )
     compile_backend: str = option(
         "inductor",

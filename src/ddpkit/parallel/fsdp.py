@@ -45,6 +45,8 @@ from torch import nn
 
 from ddpkit.errors import ConfigError
 from ddpkit.guards.wrapped import verify_same_parameters
+from ddpkit.parallel.choices import FSDP_PRECISION, FSDP_RESHARD_AFTER_FORWARD
+from ddpkit.parallel.rules import loss_scaler_with_fsdp
 from ddpkit.runtime.process_group import Runtime
 
 if TYPE_CHECKING:
@@ -164,11 +166,13 @@ def check_fsdp_options(wrap_policy: object, reshard_after_forward: object, preci
             ``reshard_after_forward`` not a bool.
     """
     check_wrap_policy(wrap_policy)
+    problem = loss_scaler_with_fsdp(precision, "fsdp")  # 16-mixed: the rule ddpkit train says
+    if problem:
+        raise ConfigError(f"{problem}.")
     if precision not in ("32", "bf16-mixed"):
         raise ConfigError(
             f"precision for strategy='fsdp': precision={precision!r}. FSDP takes 32 or "
-            "bf16-mixed (16-mixed needs a loss scaler over sharded gradients, which ddpkit "
-            "does not offer). Use bf16-mixed."
+            "bf16-mixed. Use one of them."
         )
     if not isinstance(reshard_after_forward, bool):
         raise ConfigError(
@@ -197,8 +201,8 @@ def wrap_fsdp(
     runtime: Runtime,
     *,
     wrap_policy: WrapPolicy = None,
-    reshard_after_forward: bool = True,
-    precision: str = "32",
+    reshard_after_forward: bool = FSDP_RESHARD_AFTER_FORWARD,
+    precision: str = FSDP_PRECISION,
 ) -> nn.Module:
     """Shard ``model`` in place with ``fully_shard`` (each unit, then the root); returns it.
 

@@ -35,7 +35,7 @@ from torch.distributed.algorithms.model_averaging import utils as averaging_util
 from torch.nn.parallel import DistributedDataParallel
 
 from ddpkit.errors import ConfigError
-from ddpkit.guards.grad_sync import gradients_local, mark_gradients_local
+from ddpkit.guards.grad_sync import mark_gradients_local
 from ddpkit.parallel.comm import CommStats
 from ddpkit.parallel.rules import (
     local_sgd_with_comm_hook,
@@ -48,12 +48,6 @@ from ddpkit.runtime.process_group import Runtime
 
 if TYPE_CHECKING:
     from torch.distributed.optim import PostLocalSGDOptimizer
-
-
-def is_local_sgd_model(model: torch.nn.Module) -> bool:
-    """True while :func:`enable_local_sgd` holds ``model``'s gradient sync off (read by
-    ``join_uneven_inputs``; the gradient sync check skips such a model too)."""
-    return gradients_local(model)
 
 
 class PeriodicAverager(averagers.ModelAverager):

@@ -42,9 +42,9 @@ from __future__ import annotations
 
 import functools
 import inspect
-import weakref
+import types
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any, ClassVar
 
 import torch
@@ -55,9 +55,10 @@ from ddpkit.errors import ConfigError, DistributedError
 from ddpkit.guards.wrapped import WrapGuard, verify_same_parameters
 from ddpkit.log import get_logger
 from ddpkit.parallel.choices import (
+    FSDP_PRECISION,
+    FSDP_RESHARD_AFTER_FORWARD,
     POWERSGD_RANK,
     POWERSGD_START_STEP,
-    SEVERAL_PROCESSES,
     resolved_strategy,
     strategy_problems,
 )
@@ -70,11 +71,7 @@ from ddpkit.parallel.comm import (
 from ddpkit.parallel.dp import wrap_data_parallel
 from ddpkit.parallel.fsdp import WrapPolicy, check_fsdp_options, is_sharded_tensor, wrap_fsdp
 from ddpkit.parallel.live import prepare_live_model
-from ddpkit.parallel.rules import (
-    compile_with_strategy,
-    local_sgd_with_sharding,
-    loss_scaler_with_fsdp,
-)
+from ddpkit.parallel.rules import loss_scaler_with_fsdp
 from ddpkit.parallel.syncbn import convert_sync_batchnorm
 from ddpkit.parallel.zero import is_zero_optimizer
 from ddpkit.runtime.process_group import Runtime
@@ -93,9 +90,9 @@ __all__ = [
     "wrapped_strategy",
 ]
 
-# the strategy each model was wrapped with (the object wrap_model returned it for); weak: a
-# model the user drops is freed
-_STRATEGY_OF: weakref.WeakKeyDictionary[nn.Module, Strategy] = weakref.WeakKeyDictionary()
+# the attribute of a wrapped model (what wrap_model returns) holding its strategy: it lives and
+# dies with the model (a global map would keep the model alive through a wrap_policy closure)
+_STRATEGY_ATTRIBUTE = "_ddpkit_strategy"
 
 
 @dataclass(frozen=True)
@@ -106,22 +103,10 @@ class Strategy:
         name: the strategy's name in flags, configs and messages (``ddp``, ``fsdp``, ...).
         ddp_gradients: its gradients are all-reduced by a ``DistributedDataParallel`` wrapper
             (``ddp``, ``zero1``): comm hooks, ``no_sync()`` and the gradient sync check apply.
-        replicated: every rank holds the whole model and optimizer state (local SGD can
-            average such replicas; :func:`ddpkit.parallel.rules.local_sgd_with_sharding`).
-        compilable: ``wrap_model(compile=...)`` works with it
-            (:func:`ddpkit.parallel.rules.compile_with_strategy`).
     """
 
     name: ClassVar[str] = ""
     ddp_gradients: ClassVar[bool] = False
-
-    @property
-    def replicated(self) -> bool:
-        return local_sgd_with_sharding(self.name, None) is None
-
-    @property
-    def compilable(self) -> bool:
-        return compile_with_strategy(self.name) is None
 
     def resolve(self, world_size: int) -> Strategy:
         """The strategy that runs at ``world_size`` (itself, except for :class:`Auto`)."""
@@ -136,14 +121,15 @@ class Strategy:
         """Refuse a runtime the strategy cannot wrap on (before anything is built).
 
         Raises:
-            DistributedError: a strategy of several processes without a process group.
+            DistributedError: a strategy of several processes without a process group (the
+                line of :meth:`problems` at world size 1).
         """
-        if self.name in SEVERAL_PROCESSES and runtime.process_group is None:
-            raise DistributedError(
-                f"strategy={self.name!r} needs a process group, and world_size=1 has none. "
-                "Launch several processes (ddpkit run -n 2 ... / torchrun), or use "
-                "strategy='single'."
-            )
+        # without a process group this rank is alone. The one-process strategies are not
+        # refused here at 2+ ranks: dp refuses itself when wrapping (ConfigError), and single
+        # was always allowed there (each rank its own model)
+        problems = self.problems(world_size=1) if runtime.process_group is None else []
+        if problems:
+            raise DistributedError(f"{problems[0]}.")
 
     def wrap(self, model: nn.Module, runtime: Runtime) -> nn.Module:
         """``model`` on the runtime's device, wrapped for this strategy (subclasses)."""
@@ -206,6 +192,10 @@ class DDP(Strategy):
     """``DistributedDataParallel``: each rank a replica, gradients all-reduced in buckets during
     backward. Collective to wrap (rank 0's parameters and buffers are broadcast).
 
+    ddpkit's strategy object, not torch's wrapper class: a wrapped model is a
+    ``DistributedDataParallel`` (``isinstance(model, ddpkit.DDP)`` is False); ask
+    ``ddpkit.wrapped_strategy(model)`` which strategy wrapped it.
+
     Args:
         bucket_cap_mb: DDP's gradient bucket size in MiB (``None``: torch's 25).
         grad_compression: ``none``, ``fp16``, ``bf16`` or ``powersgd``: the DDP comm hook that
@@ -215,6 +205,9 @@ class DDP(Strategy):
         powersgd_rank: rank of PowerSGD's low-rank factors (``powersgd`` only).
         powersgd_start_step: backward passes with plain all-reduce before PowerSGD starts.
         sync_batchnorm: convert every BatchNorm layer to ``SyncBatchNorm`` before wrapping.
+        extra: the other keywords of ``DistributedDataParallel`` as a mapping (what the repr
+            and ``dataclasses.replace`` pass back), merged with ``**ddp_kwargs``; kept
+            read-only as ``self.extra``.
         **ddp_kwargs: the other keywords of ``DistributedDataParallel``
             (``find_unused_parameters``, ``static_graph``, ``gradient_as_bucket_view``, ...).
 
@@ -230,7 +223,9 @@ class DDP(Strategy):
     powersgd_rank: int
     powersgd_start_step: int
     sync_batchnorm: bool
-    extra: Mapping[str, Any] = field(hash=False)  # the remaining DDP keywords
+    # the remaining DDP keywords, read-only (``extra`` and ``**ddp_kwargs`` together: what
+    # dataclasses.replace and the repr pass back)
+    extra: Mapping[str, Any] = field(hash=False)
 
     def __init__(
         self,
@@ -241,8 +236,10 @@ class DDP(Strategy):
         powersgd_rank: int = POWERSGD_RANK,
         powersgd_start_step: int = POWERSGD_START_STEP,
         sync_batchnorm: bool = False,
+        extra: Mapping[str, Any] | None = None,
         **ddp_kwargs: Any,
     ) -> None:
+        ddp_kwargs = {**(extra or {}), **ddp_kwargs}
         check_compression(grad_compression, powersgd_rank, powersgd_start_step)
         check_ddp_kwargs(ddp_kwargs)
         values = {
@@ -252,10 +249,15 @@ class DDP(Strategy):
             "powersgd_rank": powersgd_rank,
             "powersgd_start_step": powersgd_start_step,
             "sync_batchnorm": sync_batchnorm,
-            "extra": dict(ddp_kwargs),
+            "extra": types.MappingProxyType(ddp_kwargs),
         }
         for key, value in values.items():
             object.__setattr__(self, key, value)
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        # pickled and deep-copied through __init__ (a mappingproxy pickles as nothing else)
+        values = {f.name: getattr(self, f.name) for f in fields(self)}
+        return functools.partial(type(self), **{**values, "extra": dict(self.extra)}), ()
 
     def ddp_kwargs(self) -> dict[str, Any]:
         """The keywords passed on to ``DistributedDataParallel`` (only those given)."""
@@ -272,7 +274,13 @@ class DDP(Strategy):
         return given + sorted(self.ddp_kwargs().items())
 
     def wrap(self, model: nn.Module, runtime: Runtime) -> nn.Module:
-        """BatchNorm synchronised if asked; parameters compared; DDP, its comm hook, the guard."""
+        """BatchNorm synchronised if asked; parameters compared; DDP, its comm hook, the guard.
+
+        Collective: call on every rank (DDP broadcasts rank 0's parameters and buffers).
+
+        Raises:
+            WrappedModelError: the ranks' models differ in their trainable parameters.
+        """
         model = convert_sync_batchnorm(model, runtime) if self.sync_batchnorm else model
         model = model.to(runtime.device)
         verify_same_parameters(model, runtime)
@@ -322,6 +330,9 @@ class FSDP(Strategy):
     """torch's FSDP2 ``fully_shard`` on each block the policy picks, then on the root:
     parameters, gradients and optimizer state sharded. Collective to wrap.
 
+    ddpkit's strategy object, not torch's FSDP class: ``isinstance(model, ddpkit.FSDP)`` is
+    False for a sharded model; ask ``ddpkit.wrapped_strategy(model)`` which strategy wrapped it.
+
     Args:
         wrap_policy: which submodules get their own ``fully_shard``: ``None`` (each block of the
             outermost ``ModuleList``/``Sequential``, else each child of the root), a module
@@ -338,15 +349,21 @@ class FSDP(Strategy):
 
     name: ClassVar[str] = "fsdp"
     wrap_policy: WrapPolicy = field(default=None, hash=False)
-    reshard_after_forward: bool = True
-    precision: str = "32"
+    reshard_after_forward: bool = FSDP_RESHARD_AFTER_FORWARD
+    precision: str = FSDP_PRECISION
     sync_batchnorm: bool = False
 
     def __post_init__(self) -> None:
         check_fsdp_options(self.wrap_policy, self.reshard_after_forward, self.precision)
 
     def wrap(self, model: nn.Module, runtime: Runtime) -> nn.Module:
-        """The module sharded in place (see :func:`ddpkit.parallel.fsdp.wrap_fsdp`)."""
+        """The module sharded in place (see :func:`ddpkit.parallel.fsdp.wrap_fsdp`).
+
+        Collective: call on every rank (a parameter comparison, then FSDP's own setup).
+
+        Raises:
+            WrappedModelError: the ranks' models differ in their trainable parameters.
+        """
         model = convert_sync_batchnorm(model, runtime) if self.sync_batchnorm else model
         return wrap_fsdp(
             model,
@@ -376,6 +393,10 @@ class FSDP(Strategy):
 class DataParallel(Strategy):
     """``torch.nn.DataParallel`` over 2+ CUDA devices in one process (see
     :mod:`ddpkit.parallel.dp`; PyTorch, and ddpkit, recommend :class:`DDP` instead).
+
+    ddpkit's strategy object, not torch's wrapper class: a wrapped model is a
+    ``torch.nn.DataParallel`` (``isinstance(model, ddpkit.DataParallel)`` is False); ask
+    ``ddpkit.wrapped_strategy(model)`` which strategy wrapped it.
 
     Args:
         device_ids: the CUDA devices (default: all); checked when wrapping.
@@ -422,10 +443,22 @@ class Live(Strategy):
 class Auto(Strategy):
     """:class:`DDP` (``ddp``, with its options) at world size 2 or more, else :class:`Single`,
     where the DDP options do nothing (named in its info line). The one place ``auto`` is
-    resolved."""
+    resolved.
+
+    Raises:
+        ConfigError: ``ddp`` is not a :class:`DDP` (or :class:`ZeRO1`) object.
+    """
 
     name: ClassVar[str] = "auto"
     ddp: DDP = field(default_factory=DDP)
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.ddp, DDP):  # ZeRO1 is a DDP too: Auto(ddp=ZeRO1()) resolves to it
+            raise ConfigError(
+                f"invalid Auto option: ddp={self.ddp!r}. Auto runs DDP at world size 2 or more, "
+                "so it takes a DDP(...) or ZeRO1(...) object. Pass one (Auto(ddp=DDP(...))), "
+                "or pass any other strategy to wrap_model itself (strategy=FSDP())."
+            )
 
     def resolve(self, world_size: int) -> Strategy:
         if resolved_strategy(self.name, world_size) != Single.name:
@@ -445,13 +478,17 @@ def strategy_class(name: str) -> type[Strategy]:
     ``ddp``, ``dp``, ``zero1``, ``fsdp``, ``live``).
 
     Raises:
-        KeyError: no strategy has that name (:data:`ddpkit.parallel.choices.STRATEGIES` lists
-            those a user may pick).
+        ConfigError: no strategy has that name (one line naming those that do;
+            :data:`ddpkit.parallel.choices.STRATEGIES` lists those a user may pick).
 
     Example:
         >>> strategy_class("zero1")
         <class 'ddpkit.parallel.strategy.ZeRO1'>
     """
+    if name not in _BY_NAME:
+        raise ConfigError(
+            f"unknown strategy: strategy={name!r}. Allowed: {', '.join(_BY_NAME)}. Use one of them."
+        )
     return _BY_NAME[name]
 
 
@@ -465,8 +502,8 @@ def wrapped_strategy(model: nn.Module) -> Strategy:
         Single()
     """
     layer = uncompiled(model)
-    known = _STRATEGY_OF.get(layer)
-    if known is not None:
+    known = layer.__dict__.get(_STRATEGY_ATTRIBUTE)
+    if isinstance(known, Strategy):
         return known
     if is_fsdp(layer):
         return FSDP()
@@ -477,5 +514,5 @@ def wrapped_strategy(model: nn.Module) -> Strategy:
 
 def record_strategy(model: nn.Module, strategy: Strategy) -> None:
     """Remember that ``model`` (what :func:`ddpkit.wrap_model` returns) was wrapped with
-    ``strategy``, for :func:`wrapped_strategy`."""
-    _STRATEGY_OF[model] = strategy
+    ``strategy``, for :func:`wrapped_strategy` (an attribute of ``model``)."""
+    setattr(model, _STRATEGY_ATTRIBUTE, strategy)

@@ -11,6 +11,8 @@ bucket_cap_mb=25``) build the same objects.
 
 from __future__ import annotations
 
+import dataclasses
+import inspect
 from typing import Any, cast
 
 import torch
@@ -18,6 +20,7 @@ from torch import nn
 
 from ddpkit.errors import ConfigError
 from ddpkit.parallel.choices import STRATEGIES  # torch-free: the train flags read them
+from ddpkit.parallel.comm import check_compression
 from ddpkit.parallel.compile import finish_compile, prepare_compile
 from ddpkit.parallel.rules import (
     ddp_options_with_fsdp,
@@ -42,9 +45,16 @@ from ddpkit.wrappers import WRAPPERS, is_compiled, is_fsdp, uncompiled, unwrap_m
 
 __all__ = ["is_compiled", "model_state_dict", "unwrap_model", "wrap_model", "wrapped_strategy"]
 
-_FSDP_DEFAULTS = {"wrap_policy": None, "reshard_after_forward": True, "precision": "32"}
-# the DDP options a name-built FSDP ignores or names itself (the rest are DDP keywords)
-_HOOK_OPTIONS = ("grad_compression", "comm_stats", "powersgd_rank", "powersgd_start_step")
+# FSDP's own options and their defaults (sync_batchnorm is DDP's too)
+_FSDP_DEFAULTS = {
+    f.name: f.default for f in dataclasses.fields(FSDP) if f.name not in DDP.__dataclass_fields__
+}
+# DDP's comm hook options, named one by one (the rest of DDP's options are its keywords)
+_HOOK_DEFAULTS = {
+    name: p.default
+    for name, p in inspect.signature(DDP).parameters.items()
+    if name not in ("bucket_cap_mb", "sync_batchnorm", "extra") and p.kind is p.KEYWORD_ONLY
+}
 
 
 def wrap_model(
@@ -87,8 +97,8 @@ def wrap_model(
             class, ``model.module`` and its state dict keys: no ``_orig_mod.``); see
             :mod:`ddpkit.parallel.compile`. The first forward compiles. Not for ``dp``.
         grad_sync_check_steps: compare the gradients across ranks before the first N optimizer
-            steps (:class:`~ddpkit.guards.grad_sync.GradSyncCheck`; DDP). Default: 3 with
-            ``compile``, else 0 (off).
+            steps (:class:`~ddpkit.guards.grad_sync.GradSyncCheck`; DDP; ignored under live
+            fault tolerance). Default: 3 with ``compile``, else 0 (off).
         **options: with a strategy name only: the options of its object (``sync_batchnorm``,
             ``grad_compression``, ``comm_stats``, ``powersgd_rank``, ``powersgd_start_step``,
             ``device_ids``, ``wrap_policy``, ``reshard_after_forward``, ``precision``, and
@@ -183,7 +193,7 @@ def _strategy_from_name(name: str, options: dict[str, Any]) -> Strategy:
     sync_batchnorm = options.pop("sync_batchnorm", False)
     cls = strategy_class(name)
     _refuse_other_options(name, cls, fsdp, options)
-    if cls is FSDP:  # DDP's options refused above; PowerSGD's settings were ignored
+    if cls is FSDP:  # DDP's options refused above
         return FSDP(sync_batchnorm=sync_batchnorm, **fsdp)
     if issubclass(cls, DDP):  # ddp, zero1
         return cls(sync_batchnorm=sync_batchnorm, **options)
@@ -201,19 +211,30 @@ def _refuse_other_options(
     name: str, cls: type[Strategy], fsdp: dict[str, Any], options: dict[str, Any]
 ) -> None:
     """Refuse FSDP options without ``fsdp``, and DDP's gradient-sync options with it (at
-    every world size: checked before the process group is looked at).
+    every world size: checked before the process group is looked at): each comm hook option
+    not at its default, PowerSGD's settings included, and every DDP keyword.
 
     Raises:
-        ConfigError: one line naming the options, the strategy and the fix.
+        ConfigError: one line naming the options, the strategy and the fix; with ``fsdp``, an
+            invalid compression or PowerSGD setting (``invalid gradient compression``, as
+            ``DDP(...)`` says it).
     """
     fsdp_given = [f"{k}={v!r}" for k, v in fsdp.items() if v != _FSDP_DEFAULTS[k]]
     problem = fsdp_options_without_fsdp(cls.name, fsdp_given)
     if problem:
         raise ConfigError(f"{problem}.")
-    compression = options.get("grad_compression", "none")
-    ddp_given = [f"grad_compression={compression!r}"] if compression != "none" else []
-    ddp_given += ["comm_stats=CommStats(...)"] if options.get("comm_stats") is not None else []
-    ddp_given += [f"{k}={v!r}" for k, v in sorted(options.items()) if k not in _HOOK_OPTIONS]
+    if cls is not FSDP:
+        return
+    hooks = {**_HOOK_DEFAULTS, **{k: v for k, v in options.items() if k in _HOOK_DEFAULTS}}
+    check_compression(
+        hooks["grad_compression"], hooks["powersgd_rank"], hooks["powersgd_start_step"]
+    )
+    ddp_given = [
+        "comm_stats=CommStats(...)" if k == "comm_stats" else f"{k}={v!r}"
+        for k, v in hooks.items()
+        if v != _HOOK_DEFAULTS[k]
+    ]
+    ddp_given += [f"{k}={v!r}" for k, v in sorted(options.items()) if k not in _HOOK_DEFAULTS]
     problem = ddp_options_with_fsdp(cls.name, ddp_given)
     if problem:
         raise ConfigError(f"{problem}.")

@@ -5,9 +5,12 @@ flag, default, help and check: ``ddpkit train`` composes it (the ``[runtime]`` s
 ``--config``) and :func:`ddpkit.runtime.process_group.init_runtime` takes the same defaults and
 refuses a watchdog timeout by the same rule (:func:`watchdog_timeout_rule`).
 
-Example::
-
-    watchdog_timeout_rule(1.5)  # "must be 0 (off) or a number of seconds >= 2 (two ..."
+Example:
+    >>> from ddpkit.runtime.config import watchdog_timeout_rule
+    >>> watchdog_timeout_rule(1.5)
+    'must be 0 (off) or a number of seconds >= 2 (two watchdog heartbeats)'
+    >>> print(watchdog_timeout_rule(0), watchdog_timeout_rule(30))  # off; 30 s
+    None None
 """
 
 from __future__ import annotations

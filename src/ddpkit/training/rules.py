@@ -5,10 +5,12 @@ The library raises them (:class:`~ddpkit.training.accumulation.GradientAccumulat
 config's problems before anything imports torch. Each returns the rule broken, one line without
 its final period, or ``None``.
 
-Example::
-
-    static_graph_with_accumulation(True, 2, name="grad_accum")
-    # "static_graph=True with grad_accum=2. torch's DDP breaks no_sync in static-graph mode ..."
+Example:
+    >>> from ddpkit.training.rules import static_graph_with_accumulation
+    >>> static_graph_with_accumulation(True, 2, name="grad_accum")
+    "static_graph=True with grad_accum=2. torch's DDP breaks no_sync in static-graph mode ..."
+    >>> print(static_graph_with_accumulation(True, 1))  # no accumulation: nothing broken
+    None
 """
 
 from __future__ import annotations

@@ -28,8 +28,8 @@ from torch.distributed.algorithms import Join
 from torch.nn.parallel import DistributedDataParallel
 
 from ddpkit.errors import ConfigError, DistributedError
+from ddpkit.guards.grad_sync import gradients_local  # marked by enable_local_sgd
 from ddpkit.monitoring.stragglers import paused
-from ddpkit.parallel.local_sgd import is_local_sgd_model
 from ddpkit.runtime.collectives import gather_per_rank
 from ddpkit.runtime.process_group import Runtime
 from ddpkit.training.rules import join_with_local_sgd
@@ -107,7 +107,7 @@ def join_uneven_inputs(
             f"join_uneven_inputs needs the DDP-wrapped model: got {type(model).__name__}. "
             "Pass the model returned by ddpkit.wrap_model(..., strategy='ddp')."
         )
-    problem = join_with_local_sgd(True, None) if is_local_sgd_model(model) else None
+    problem = join_with_local_sgd(True, None) if gradients_local(model) else None
     if problem:
         raise ConfigError(f"join_uneven_inputs: {problem}.")
     return _joined(model)

@@ -13,10 +13,10 @@ rule that ties two fields together: the library's own (:func:`~ddpkit.launch.con
 :func:`~ddpkit.checkpoint.config.checkpoint_rules`, :mod:`ddpkit.training.rules`), so the
 command says what the library would, and the job's.
 
-Example::
-
-    config = TrainConfig(epochs=2, grad_accum=4)   # flat: each section's fields are TrainConfig's
-    check(config, world_size=2)                     # raises ConfigError naming what is wrong
+Example:
+    >>> from ddpkit.app.mnist.config import TrainConfig, check
+    >>> config = TrainConfig(epochs=2, grad_accum=4)  # flat: each section's fields are its own
+    >>> check(config, world_size=2)  # a ConfigError naming every problem; none here
 """
 
 from __future__ import annotations
@@ -335,10 +335,11 @@ def check(config: TrainConfig, *, world_size: int | None = None) -> None:
             rules the library checks too are its lines (:mod:`ddpkit.parallel.rules`,
             :mod:`ddpkit.parallel.choices`, :mod:`ddpkit.training.rules`, ...).
 
-    Example::
-
-        check(TrainConfig(static_graph=True, grad_accum=2))
-        # ConfigError: invalid config: static_graph=True with grad_accum=2. torch's DDP ...
+    Example:
+        >>> check(TrainConfig(static_graph=True, grad_accum=2))
+        Traceback (most recent call last):
+            ...
+        ddpkit.errors.ConfigError: invalid config: static_graph=True with grad_accum=2. ...
     """
     problems = field_problems(config)
     if not problems:  # the rules below compare values that are each valid

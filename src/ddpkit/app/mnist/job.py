@@ -73,7 +73,7 @@ def build_model_and_optimizer(
 
     ``zero1``: the optimizer is a ``ZeroRedundancyOptimizer``; ``fsdp``: the model is sharded
     and its optimizer built over the shards (see :func:`_build_fsdp`). The strategy object is
-    built from the config (:func:`_strategy`).
+    built from the config (:func:`strategy_of`).
 
     Collective: call on every rank (DDP broadcasts rank 0's parameters).
 
@@ -94,8 +94,8 @@ def build_model_and_optimizer(
     model = wrap_model(
         build_model(dataset),
         runtime,
-        strategy=_strategy(config, runtime, cls, stats if hooked else None),
-        compile={"backend": config.compile_backend} if config.compile else False,
+        strategy=strategy_of(config, runtime, stats if hooked else None),
+        compile=_compile(config),
     )  # DDP when world_size > 1; replicas start equal
     if isinstance(wrapped_strategy(model), ZeRO1):  # the optimizer state sharded over the ranks
         optimizer_class, kwargs = optimizer_spec(config.optimizer, config.lr)
@@ -125,23 +125,25 @@ def _build_fsdp(
 ) -> tuple[nn.Module, torch.optim.Optimizer, torch.optim.Optimizer, CommStats | None]:
     """``--strategy fsdp``: each layer sharded (``fully_shard``), the optimizer over the shards
     (built after wrapping), FSDP's mixed precision from ``--precision``; no byte counter."""
-    strategy = FSDP(
-        sync_batchnorm=config.sync_batchnorm,
-        reshard_after_forward=config.reshard_after_forward,
-        precision=config.precision,
-    )
-    compile = {"backend": config.compile_backend} if config.compile else False
-    model = wrap_model(build_model(dataset), runtime, strategy=strategy, compile=compile)
+    strategy = strategy_of(config, runtime)
+    model = wrap_model(build_model(dataset), runtime, strategy=strategy, compile=_compile(config))
     optimizer = build_optimizer(config.optimizer, model.parameters(), config.lr)
     return model, optimizer, optimizer, None
 
 
-def _strategy(
-    config: TrainConfig, runtime: Runtime, cls: type[Strategy], comm_stats: CommStats | None
+def strategy_of(
+    config: TrainConfig, runtime: Runtime, comm_stats: CommStats | None = None
 ) -> Strategy:
-    """The object of ``--strategy`` (``cls``, not fsdp) with the config's options for it
-    (:func:`check` refused the options of another strategy); ``auto`` resolves in
-    ``wrap_model``."""
+    """The strategy object of ``--strategy`` with the config's options for it (:func:`check`
+    refused the options of another strategy); ``auto`` resolves in ``wrap_model``.
+    ``comm_stats``: the counter of DDP's comm hook (``ddp``, ``zero1``, ``auto``)."""
+    cls = strategy_class(config.strategy)
+    if cls is FSDP:
+        return FSDP(
+            sync_batchnorm=config.sync_batchnorm,
+            reshard_after_forward=config.reshard_after_forward,
+            precision=config.precision,
+        )
     if cls is DataParallel or cls is Single:
         return cls()
     ddp = ZeRO1 if cls is ZeRO1 else DDP
@@ -154,6 +156,11 @@ def _strategy(
         **_ddp_options(config, runtime),
     )
     return Auto(ddp=strategy) if cls is Auto else strategy
+
+
+def _compile(config: TrainConfig) -> dict[str, Any] | bool:
+    """``wrap_model``'s ``compile`` of ``--compile``/``--compile-backend``."""
+    return {"backend": config.compile_backend} if config.compile else False
 
 
 def _ddp_options(config: TrainConfig, runtime: Runtime) -> dict[str, Any]:
