@@ -56,6 +56,7 @@ def _in_tmpfs(mount: Path, size: str, listed: Path, python_args: list[str]) -> C
     )
 
 
+@pytest.mark.slow
 def test_a_checkpoint_into_a_full_disk_is_one_line_naming_the_disk(tmp_path, tmpfs_allowed):
     directory = tmp_path / "mnt" / "ckpt"
     result = _in_tmpfs(tmp_path / "mnt", "512k", directory, [SCRIPT, "io", str(directory)])

@@ -42,6 +42,7 @@ def load_gpu_check():
     return sys.modules[name]
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has a CUDA GPU")
 def test_without_a_gpu_it_says_so_in_one_line_and_exits_2():
     done = run_script([], timeout_s=60)

@@ -318,6 +318,7 @@ sys.exit(main(sys.argv[1:]))
 """
 
 
+@pytest.mark.slow
 def test_a_port_taken_after_torchrun_picked_it_does_not_fail_the_job():
     # torchrun's agent picks the workers' MASTER_PORT by binding port 0 and closing it again;
     # another program can take it before rank 0 listens on it (a CI run, 2026-12-02: "port 38283
@@ -343,6 +344,7 @@ def test_several_nodes_keep_torchruns_port_even_inside_another_job(monkeypatch):
         reserved.close()
 
 
+@pytest.mark.slow
 def test_a_rank_that_ends_normally_mid_job_is_named_as_the_cause():
     # rank 1 ends its script (exit 0) while rank 0 waits in an all-reduce: no rank failed,
     # the ranks made different numbers of collective calls (uneven batches, a rank-0-only call)

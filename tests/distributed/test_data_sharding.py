@@ -33,6 +33,7 @@ def _build(runtime, length: int, batch_size: int, drop_last: bool) -> list[int]:
     return [len(list(loader)) for _ in range(2)]
 
 
+@pytest.mark.slow
 def test_a_pass_without_a_batch_is_an_error_naming_the_numbers():
     with pytest.raises(DistributedTestError) as info:
         run_distributed(_build, 2, args=(10, 8, True))

@@ -282,6 +282,7 @@ def job_results(tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[tupl
     return results
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", _params(job=True))
 def test_job_example(name: str, job_results: dict[str, list[tuple[int, str]]]) -> None:
     reports = [

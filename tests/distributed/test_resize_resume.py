@@ -212,6 +212,7 @@ def _zero_run(rt, directory: str, stop_after: int | None, resume: bool):
     return restored  # and one more step on the new shards ran
 
 
+@pytest.mark.slow
 def test_zero_redundancy_optimizer_reshards_on_another_world_size(tmp_path):
     from ddpkit.checkpoint.export import read_sharded_entry
 

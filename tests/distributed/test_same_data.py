@@ -66,6 +66,7 @@ def test_plain_torch_trains_on_the_validation_samples_of_another_rank():
         ("eval", "the evaluation dataset (Subset of TensorDataset)"),
     ],
 )
+@pytest.mark.slow
 def test_a_per_rank_split_is_refused_on_every_rank(which, what):
     with pytest.raises(DistributedTestError) as info:
         run_distributed(_per_rank_split, 2, args=(True, which))

@@ -85,6 +85,7 @@ def _stop_and_resume(rt, tmpdir: str, signalled_rank: int, sig: int) -> list:
     ("world_size", "signalled_rank", "sig"),
     [(2, 1, signal.SIGTERM), (3, 2, signal.SIGUSR1), (3, 0, signal.SIGINT)],
 )
+@pytest.mark.slow
 def test_a_signal_to_one_rank_stops_every_rank_at_one_step(
     tmp_path, world_size, signalled_rank, sig
 ):

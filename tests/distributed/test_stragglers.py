@@ -118,6 +118,7 @@ def _cases(runtime: Runtime) -> dict:
     return {case: _train(runtime, case, 60) for case in ("data", "forward", "backward")}
 
 
+@pytest.mark.slow
 def test_the_slow_rank_is_named_with_its_slow_phase_once_on_rank_zero():
     results = run_distributed(_cases, 2, timeout_s=180)
     for case, phase in (("data", "data"), ("forward", "compute"), ("backward", "compute")):
@@ -277,6 +278,7 @@ def _own_loop_cases(runtime: Runtime, folder: str) -> dict:
     return {case: _own_loop(runtime, case, folder) for case in cases}
 
 
+@pytest.mark.slow
 def test_an_own_loop_gets_its_straggler_named_through_maybe_save(tmp_path):
     results = run_distributed(_own_loop_cases, 2, args=(str(tmp_path),), timeout_s=180)
     for case, expected in (

@@ -424,6 +424,7 @@ def _close_after_beats(rt):
     return thread.daemon, time.monotonic() - start, thread.is_alive()
 
 
+@pytest.mark.slow
 def test_the_watchdog_never_delays_the_exit():
     # a daemon thread (never keeps a process alive), stopped by close() at once
     for daemon, close_s, alive in run_distributed(_close_after_beats, 2):

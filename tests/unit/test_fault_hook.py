@@ -65,6 +65,7 @@ def test_a_good_value_on_a_later_attempt_runs():
     assert (result.returncode, result.stdout, result.stderr) == (0, "ran\n", "")
 
 
+@pytest.mark.slow
 def test_find_spec_before_the_import_leaves_the_patch_in_place():
     code = (
         "import importlib.util\n"

@@ -172,6 +172,7 @@ def test_unknown_dataset_is_a_config_error():
         resolve_data("fashion")
 
 
+@pytest.mark.slow
 def test_digits_splits_are_cached_and_read_back_without_scikit_learn(tmp_path, monkeypatch):
     pytest.importorskip("sklearn")
     import subprocess

@@ -301,6 +301,7 @@ def items(updates) -> dict:
     return {i.key or ".".join(i.nested_key): json.loads(i.value_json) for i in updates}
 
 
+@pytest.mark.slow
 def test_wandb_offline_run_holds_config_epochs_and_summary_and_touches_no_network(tmp_path):
     pytest.importorskip("wandb", reason="wandb is not installed")
     with socket.socket() as trap:

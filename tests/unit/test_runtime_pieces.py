@@ -282,6 +282,7 @@ def test_loader_state_resumes_exactly_including_capped_passes():
         assert seen == [i for p in reference for i in p], f"cut after {cut} batches"
 
 
+@pytest.mark.slow
 def test_a_listener_that_is_no_store_is_named_within_the_timeout_not_waited_on_forever():
     import socket
     import threading

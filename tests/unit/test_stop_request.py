@@ -227,6 +227,7 @@ time.sleep(30)  # a loop that no longer asks
 """
 
 
+@pytest.mark.slow
 def test_a_request_no_step_answers_ends_the_process_after_the_fallback():
     proc = subprocess.Popen(
         [sys.executable, "-c", UNANSWERED],
