@@ -142,7 +142,8 @@ def test_auto_is_resolved_in_one_place_by_world_size():
             1,
             [
                 "strategy='ddp' with world_size=1. It needs 2 or more processes. Use "
-                "strategy='single', or nproc=2 or more"
+                "strategy='single', or start 2 or more processes (ddpkit run -n 2, ddpkit train "
+                "--nproc 2, torchrun --nproc-per-node 2)"
             ],
         ),
         (ddpkit.ZeRO1(), 1, ["strategy='zero1' with world_size=1. It needs 2 or more ..."]),

@@ -65,7 +65,8 @@ def strategy_problems(name: str, world_size: int) -> list[str]:
     if resolved in SEVERAL_PROCESSES and world_size < 2:
         return [
             f"strategy={resolved!r} with world_size={world_size}. It needs 2 or more processes. "
-            "Use strategy='single', or nproc=2 or more"
+            "Use strategy='single', or start 2 or more processes (ddpkit run -n 2, "
+            "ddpkit train --nproc 2, torchrun --nproc-per-node 2)"
         ]
     if resolved in ONE_PROCESS and world_size > 1:
         return [

@@ -29,7 +29,7 @@ Example:
     >>> Auto(ddp=ddp).resolve(world_size=4) == ddp, Auto().resolve(world_size=1)
     (True, Single())
     >>> DDP().problems(world_size=1)
-    ["strategy='ddp' with world_size=1. It needs 2 or more processes. Use strategy='single', or nproc=2 or more"]
+    ["strategy='ddp' with world_size=1. It needs 2 or more processes. Use strategy='single', or start 2 or more processes (ddpkit run -n 2, ddpkit train --nproc 2, torchrun --nproc-per-node 2)"]
     >>> FSDP(grad_compression="fp16")
     Traceback (most recent call last):
     TypeError: FSDP.__init__() got an unexpected keyword argument 'grad_compression'
