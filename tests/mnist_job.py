@@ -16,7 +16,30 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import io
+import json
 from dataclasses import dataclass
+from pathlib import Path
+
+# A short digits job with two checkpoints (steps 4 and 8), a loss record per step: the resize
+# and sharded-strategy e2e tests run it on several world sizes and strategies.
+SHORT_JOB_FLAGS = [
+    "--dataset",
+    "digits",
+    "--epochs",
+    "2",
+    "--max-steps",
+    "8",
+    "--checkpoint-every",
+    "4",
+    "--log-every",
+    "1",
+]
+
+
+def step_losses(out: Path) -> dict[int, float]:
+    """step -> loss, from a job's ``steps.jsonl`` in its output folder ``out``."""
+    records = [json.loads(line) for line in (out / "steps.jsonl").read_text().splitlines()]
+    return {r["step"]: r["loss"] for r in records}
 
 
 @dataclass

@@ -17,27 +17,12 @@ import pytest
 import torch
 
 from tests.helpers import fault_env, run_cli
+from tests.mnist_job import SHORT_JOB_FLAGS as FLAGS
+from tests.mnist_job import step_losses as _losses
 from tests.mnist_job import train_in_process
 
-FLAGS = [
-    "--dataset",
-    "digits",
-    "--epochs",
-    "2",
-    "--max-steps",
-    "8",
-    "--checkpoint-every",
-    "4",
-    "--log-every",
-    "1",
-]
 COMMON = ["-m", "ddpkit", "train", *FLAGS]
 LOSS_RTOL = 1e-6  # float32; tests/distributed/test_resize_resume.py measures the margin
-
-
-def _losses(out) -> dict[int, float]:
-    records = [json.loads(line) for line in (out / "steps.jsonl").read_text().splitlines()]
-    return {r["step"]: r["loss"] for r in records}
 
 
 def test_a_killed_two_process_job_resumes_on_four_and_on_one(tmp_path):

@@ -20,29 +20,14 @@ import pytest
 import torch
 
 from tests.helpers import fault_env, run_cli
+from tests.mnist_job import SHORT_JOB_FLAGS as FLAGS
+from tests.mnist_job import step_losses as _losses
 from tests.mnist_job import train_in_process
 
-FLAGS = [
-    "--dataset",
-    "digits",
-    "--epochs",
-    "2",
-    "--max-steps",
-    "8",
-    "--checkpoint-every",
-    "4",
-    "--log-every",
-    "1",
-]
 COMMON = ["-m", "ddpkit", "train", *FLAGS]
 # another strategy or world size: another float reduction order; pytest -s prints the largest
 # relative difference (docs/checkpoints.md gives the figures measured)
 LOSS_RTOL = 1e-5
-
-
-def _losses(out) -> dict[int, float]:
-    records = [json.loads(line) for line in (out / "steps.jsonl").read_text().splitlines()]
-    return {r["step"]: r["loss"] for r in records}
 
 
 def _train(tmp_path, name: str, *extra: str, env=None):

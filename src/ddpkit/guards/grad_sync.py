@@ -48,20 +48,20 @@ from ddpkit.runtime.process_group import Runtime
 _MAX_NAMES = 6
 _CHECKS: list[GradSyncCheck] = []  # attached checks (each holds its model weakly)
 _HOOK: list[Any] = []  # the one global pre-hook's handle while any check is attached
-# DDP models whose gradients stay local by design (ddpkit's local SGD holds no_sync() open);
-# weak: a dropped model is freed
-_LOCAL_GRADIENTS: weakref.WeakSet[nn.Module] = weakref.WeakSet()
+# The attribute that marks a DDP model whose gradients stay local by design (ddpkit's local SGD
+# holds no_sync() open): it lives and dies with the model, no module-level registry.
+_LOCAL_GRADIENTS_ATTR = "_ddpkit_gradients_local"
 
 
 def mark_gradients_local(model: nn.Module) -> None:
     """Record that ``model``'s gradients are not all-reduced on purpose (local SGD): its checks
     stop comparing them. Not a collective."""
-    _LOCAL_GRADIENTS.add(model)
+    setattr(model, _LOCAL_GRADIENTS_ATTR, True)
 
 
 def gradients_local(model: nn.Module) -> bool:
     """True once :func:`mark_gradients_local` was called for ``model``."""
-    return model in _LOCAL_GRADIENTS
+    return getattr(model, _LOCAL_GRADIENTS_ATTR, False) is True
 
 
 class GradSyncError(ReplicaDivergenceError):
