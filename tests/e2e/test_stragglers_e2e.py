@@ -4,7 +4,8 @@ The test stops and continues one worker process (SIGSTOP 30 ms, SIGCONT, 20 ms r
 and over: 60% of its time taken away, as a noisy neighbour or a throttled device would; a third
 was not always named while the suite's other workers load the 2 cores)
 while a 2-rank MNIST job trains. Rank 1 must be named in one warning line and in
-``summary.json``; a run left alone names no one. ``ranks.jsonl`` holds every rank's figures.
+``summary.json``; the same job left alone (its ranks forked from the test harness,
+``tests/mnist_job.py``) names no one. ``ranks.jsonl`` holds every rank's figures.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from pathlib import Path
 import pytest
 
 from tests.helpers import descendants
+from tests.mnist_job import train_in_process
 
 pytestmark = pytest.mark.slow
 
@@ -54,14 +56,9 @@ def _duty_cycle(pid: int, done: threading.Event, stop_s: float, run_s: float) ->
         time.sleep(run_s)
 
 
-def _train(mnist_dir: Path, out: Path, slow_rank: int | None) -> tuple[str, dict]:
-    command = [
-        sys.executable,
-        "-m",
-        "ddpkit",
-        "train",
-        "--nproc",
-        "2",
+def _flags(mnist_dir: Path, out: Path) -> list[str]:
+    """``ddpkit train``'s flags after ``--nproc 2``: real MNIST, one epoch cut at STEPS."""
+    return [
         "--data-dir",
         str(mnist_dir),
         "--epochs",
@@ -73,6 +70,10 @@ def _train(mnist_dir: Path, out: Path, slow_rank: int | None) -> tuple[str, dict
         "--progress",
         "off",
     ]
+
+
+def _train(mnist_dir: Path, out: Path, slow_rank: int) -> tuple[str, dict]:
+    command = [sys.executable, "-m", "ddpkit", "train", "--nproc", "2", *_flags(mnist_dir, out)]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
     launcher = subprocess.Popen(
         command,
@@ -85,10 +86,9 @@ def _train(mnist_dir: Path, out: Path, slow_rank: int | None) -> tuple[str, dict
     done = threading.Event()
     cycler = None
     try:
-        if slow_rank is not None:
-            pid = _worker_of_rank(launcher, slow_rank, timeout_s=60)
-            cycler = threading.Thread(target=_duty_cycle, args=(pid, done, 0.03, 0.02))
-            cycler.start()
+        pid = _worker_of_rank(launcher, slow_rank, timeout_s=60)
+        cycler = threading.Thread(target=_duty_cycle, args=(pid, done, 0.03, 0.02))
+        cycler.start()
         output, _ = launcher.communicate(timeout=180)
     except subprocess.TimeoutExpired:
         os.killpg(launcher.pid, signal.SIGKILL)
@@ -124,6 +124,8 @@ def test_a_rank_slowed_by_sigstop_is_named_and_a_run_left_alone_names_no_one(mni
     ]
     assert all(r["step_s"] > 0 and r["samples_per_s"] > 0 and r["host"] for r in records)
 
-    output, summary = _train(mnist_dir, tmp_path / "left_alone", slow_rank=None)
-    assert summary["stragglers"]["named"] == [] and "straggler" not in output
-    assert summary["stragglers"]["windows"] == STEPS // 20
+    # left alone: the same job's ranks, forked from the test harness (tests/mnist_job.py; the
+    # detector runs in the ranks, the launcher only relays their lines)
+    alone = train_in_process(_flags(mnist_dir, tmp_path / "left_alone"), nproc=2)
+    assert alone.summary["stragglers"]["named"] == [] and "straggler" not in alone.output
+    assert alone.summary["stragglers"]["windows"] == STEPS // 20
