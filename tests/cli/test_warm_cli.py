@@ -14,7 +14,8 @@ import os, sys
 import ddpkit
 
 with ddpkit.init_runtime() as rt:
-    print(f"rank {rt.rank} of {rt.world_size} in {os.getcwd()} argv={sys.argv[1:]}", flush=True)
+    probe = os.environ.get("DDPKIT_WARM_PROBE")
+    print(f"rank {rt.rank} of {rt.world_size} in {os.getcwd()} argv={sys.argv[1:]} {probe=}")
     if rt.rank == 1 and sys.argv[1] == "fail":
         sys.exit(3)
 """
@@ -42,7 +43,8 @@ def test_a_job_gets_the_same_ranks_folder_environment_and_exit_status(tmp_path):
         for done in (warm, cold):
             assert done.returncode == (0 if status == 0 else 1), done.output
             for rank in (0, 1):
-                assert f"rank {rank} of 2 in {tmp_path} argv=['{verdict}']" in done.stdout
+                line = f"rank {rank} of 2 in {tmp_path} argv=['{verdict}'] probe='1'"
+                assert line in done.stdout, done.output
         assert sorted(warm.stdout.splitlines()) == sorted(cold.stdout.splitlines())
         if status:
             for done in (warm, cold):
