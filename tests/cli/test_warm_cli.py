@@ -7,6 +7,8 @@ import os
 import sys
 import textwrap
 
+import pytest
+
 from tests.helpers import run_cli
 
 SCRIPT = """
@@ -34,6 +36,7 @@ def test_a_refused_flag_is_the_same_line_and_status(tmp_path):
     assert warm.stdout == cold.stdout == ""
 
 
+@pytest.mark.slow  # four 2-rank jobs
 def test_a_job_gets_the_same_ranks_folder_environment_and_exit_status(tmp_path):
     script = tmp_path / "job.py"
     script.write_text(textwrap.dedent(SCRIPT))
