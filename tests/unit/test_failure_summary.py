@@ -66,6 +66,23 @@ def test_collective_mismatch_is_named_with_ranks_operations_and_sizes():
     )
 
 
+def test_a_survivor_sigkilled_after_a_native_crash_is_the_stop_not_a_second_cause():
+    # Under load rank 1 stays in gloo's all_reduce past torchrun's grace period: SIGKILL. That
+    # is torchrun stopping it after rank 0's abort, not an out-of-memory kill to report first.
+    spec = LaunchSpec(["x.py"], 2)
+    oom_hint = {1: "this SIGKILL was not the out-of-memory killer: ..."}
+    lines = summarize_failure([], {0: -6, 1: -9}, spec, {0: ABORTED_TAIL}, kill_hints=oom_hint)
+    text = "\n".join(lines)
+    assert lines[0].startswith("ddpkit run: first failure: rank 0/2 aborted (SIGABRT)")
+    assert lines[1].startswith("ddpkit run: hint: the ranks' collectives do not match: rank 0")
+    assert "SIGKILL" not in text and "out-of-memory" not in text, text
+    assert lines[-1].endswith("a restart would fail the same way.")
+    # Alone, a SIGKILL is still the cause, with its hint.
+    alone = summarize_failure([], {1: -9, 0: -15}, spec, kill_hints=oom_hint)
+    assert alone[0].startswith("ddpkit run: first failure: rank 1/2 died from signal SIGKILL")
+    assert alone[1] == "ddpkit run: hint: this SIGKILL was not the out-of-memory killer: ..."
+
+
 @pytest.mark.parametrize(
     "records,codes,restart_helps",
     [

@@ -51,11 +51,11 @@ def counted_reads() -> Iterator[list[str]]:
             setattr(torch.Tensor, name, method)
 
 
-def _setup(num_layers: int = 1, guard: bool = False):
+def _setup(num_layers: int = 1, guard: bool = False, device: str = "cpu"):
     torch.manual_seed(0)
-    runtime = Runtime(ProcessInfo())
+    runtime = Runtime(ProcessInfo(), device=torch.device(device))
     layers = [nn.Linear(8, 8) for _ in range(num_layers)]
-    model = nn.Sequential(*layers, nn.Linear(8, 3))
+    model = nn.Sequential(*layers, nn.Linear(8, 3)).to(runtime.device)
     seen: list[tuple[torch.Tensor, int]] = []
 
     def loss_fn(outputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -169,10 +169,10 @@ def test_the_guard_names_the_step_of_a_nan_loss():
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA's sync debug mode")
 def test_no_step_synchronizes_the_gpu():
-    # not run here (no GPU in this environment): torch raises at any synchronizing call
-    runtime, step, batches, _seen = _setup()
-    if runtime.device.type != "cuda":
-        pytest.skip("the runtime's device is not CUDA")
+    # Not run on the CI machine (no GPU): torch raises at any synchronizing call. The runtime's
+    # device is set: Runtime(ProcessInfo()) alone computes on the CPU, where nothing is checked.
+    runtime, step, batches, _seen = _setup(device="cuda:0")
+    assert next(step.model.parameters()).is_cuda
     batches = [(x.to(runtime.device), y.to(runtime.device)) for x, y in batches]
     epoch_loss = EpochLoss()
     torch.cuda.synchronize()

@@ -128,9 +128,11 @@ def summarize_failure(
     unrecorded = {rank: code for rank, code in exit_codes.items() if rank not in recorded}
     signals = {rank: signal.Signals(-code).name for rank, code in unrecorded.items() if code < 0}
     # SIGTERM is how torchrun stops the survivors (SIGKILL when they do not stop); count it as
-    # a cause only if nothing else is. After a watchdog report, every signal is that stop.
+    # a cause only if nothing else is. After a watchdog report or a rank's native crash
+    # (SIGABRT, SIGSEGV, ...), a SIGKILL is that stop too: a survivor stuck in a collective.
     watchdog = any(r.type in WATCHDOG_TYPES for r in records)
-    stopping = {"SIGTERM", "SIGKILL"} if watchdog else {"SIGTERM"}
+    native = any(name not in ("SIGTERM", "SIGKILL") for name in signals.values())
+    stopping = {"SIGTERM", "SIGKILL"} if watchdog or native else {"SIGTERM"}
     crashed = {rank: name for rank, name in signals.items() if name not in stopping}
     if not crashed and not records:
         crashed = signals
