@@ -8,6 +8,8 @@ benchmarks or the test helpers; a new upward import fails here with the file, li
 from __future__ import annotations
 
 import ast
+import subprocess
+import sys
 from pathlib import Path
 
 import ddpkit
@@ -96,3 +98,16 @@ def test_an_upward_import_is_reported_even_inside_a_function(tmp_path):
         "runtime/x.py:3: runtime (layer 6) imports ddpkit.launch (layer 14)",
         "runtime/x.py:5: runtime (layer 6) imports ddpkit.cli (layer 16)",
     ]
+
+
+def test_a_rank_that_loads_no_sharded_checkpoint_imports_no_dcp():
+    # torch.distributed.checkpoint pulls in DTensor and sympy: 0.6 CPU-s of each rank's
+    # start-up on the CI machine, for DDP ranks that never load a sharded checkpoint.
+    heavy = ("torch.distributed.checkpoint", "torch.distributed.tensor", "sympy")
+    code = (
+        "import sys, ddpkit, ddpkit.launch.worker, ddpkit.app.mnist.job, ddpkit.checkpoint; "
+        f"print([m for m in {heavy!r} if m in sys.modules])"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "[]", done.stdout

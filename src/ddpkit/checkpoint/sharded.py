@@ -65,7 +65,6 @@ from ddpkit.parallel.wrap import unwrap_model
 from ddpkit.parallel.zero import is_zero_optimizer
 from ddpkit.runtime.collectives import all_gather_object
 from ddpkit.runtime.process_group import Runtime
-from ddpkit.security.safe_load import refusals_unwrapped
 
 SHARDED_DIR = "dcp"  # the DCP files, inside the step folder
 LAYOUTS = ("fsdp_model", "fsdp_optimizer", "zero_optimizer")
@@ -441,6 +440,8 @@ def load_in_this_process(template: dict[str, Any], reader: Any, planner: Any = N
     torch's ``UserWarning`` that it assumes one process is meant: it is. Not a collective."""
     import torch.distributed.checkpoint as dcp
 
+    from ddpkit.security.safe_dcp import refusals_unwrapped
+
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=_ONE_PROCESS_WARNING, category=UserWarning)
         with refusals_unwrapped():
@@ -453,7 +454,7 @@ def safe_reader(folder: Path, unsafe_pickle: bool = False) -> tuple[Any, Any]:
     (:mod:`ddpkit.security.safe_load`)."""
     import torch.distributed.checkpoint as dcp
 
-    from ddpkit.security.safe_load import SafeFileSystemReader, SafeLoadPlanner
+    from ddpkit.security.safe_dcp import SafeFileSystemReader, SafeLoadPlanner
 
     if unsafe_pickle:
         return dcp.FileSystemReader(folder / SHARDED_DIR), None
@@ -476,6 +477,8 @@ def load_sharded(
     """
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    from ddpkit.security.safe_dcp import refusals_unwrapped
 
     reader, planner = safe_reader(folder, unsafe_pickle)
     metadata = reader.read_metadata()
