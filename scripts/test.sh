@@ -11,6 +11,10 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh || exit 1
+# Byte-compile ddpkit and the tests once: every process the suite starts (700 torch processes,
+# ranks and launchers) otherwise compiles ddpkit's source again when PYTHONDONTWRITEBYTECODE is
+# set, as on the CI machine (~0.08 CPU-s each). Python reads these files either way.
+.venv/bin/python -m compileall -q -j 0 src tests > /dev/null || exit 1
 export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
 workers="${DDPKIT_TEST_WORKERS:-3}"
 xdist=()
