@@ -57,9 +57,9 @@ from ddpkit.runtime.hashseed import warn_if_str_hashes_differ
 from ddpkit.runtime.rendezvous import (
     check_local_route,
     check_world_size_limit,
-    connect_store,
     join,
     make_store,
+    round_store,
 )
 from ddpkit.runtime.stop import StopRequest, TrainingStopped, default_stop_signals
 from ddpkit.security.token import load_token
@@ -376,22 +376,6 @@ def _watchdog_timeout(name: str, value: float | None, example: float) -> float |
     return float(value)
 
 
-def _attempt_store(info: ProcessInfo, timeout_s: float) -> dist.Store:
-    """A client of torchrun's store, with keys isolated per restart attempt.
-
-    torchrun (c10d rendezvous) lets workers share the agent's TCPStore, and after a restart the
-    new workers find the previous attempt's keys still there: gloo then reads a dead peer's
-    address and fails with "connectFullMesh ... Connection refused" (pytorch/pytorch#135712).
-    Prefixing every key with the restart count gives each attempt a clean namespace. Tested on
-    one node (``ddpkit run --max-restarts``); on several nodes the agents count restarts each on
-    their own, and the torch issue above says those counts can differ.
-    """
-    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
-    host, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
-    client = connect_store(host, port, info.world_size, timeout_s)
-    return dist.PrefixStore(f"ddpkit/attempt_{attempt}", client)
-
-
 def init_runtime(
     backend: str = "auto",
     *,
@@ -610,7 +594,7 @@ def _rendezvous(
     if store is None:
         check_local_route(os.environ["MASTER_ADDR"])  # lo down: say so now, not after the timeout
         agent_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
-        store = (_attempt_store if agent_store else make_store)(info, init_timeout_s)
+        store = (round_store if agent_store else make_store)(info, init_timeout_s)
     return store, join(store, info, init_timeout_s, token)
 
 

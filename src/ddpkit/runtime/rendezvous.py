@@ -145,6 +145,79 @@ def make_store(info: ProcessInfo, timeout_s: float) -> dist.TCPStore:
     )
 
 
+ROUND_STORE_KEY = "ddpkit/round_store"  # in torchrun's agent store: "HOST PORT NONCE"
+_ROUND_NONCE_KEY = "ddpkit/round_nonce"  # in the round's own store
+
+
+def round_store(info: ProcessInfo, timeout_s: float, poll_s: float = 0.1) -> dist.TCPStore:
+    """The job's store under torchrun's shared agent store: a fresh one for each rendezvous round.
+
+    torchrun (``TORCHELASTIC_USE_AGENT_STORE=True``, its default) hands the workers its
+    agents' TCPStore, which keeps every key across rounds, and a round restarted for a node
+    waiting to join keeps ``TORCHELASTIC_RESTART_COUNT``: the new workers would meet the
+    previous round's rank claims (and gloo its addresses, pytorch/pytorch#135712). So rank 0
+    serves a store of its own for the round (on 127.0.0.1 for one node, else on ``MASTER_ADDR``,
+    its own address; a free port) and publishes ``"HOST PORT NONCE"`` in the agent store; the
+    other ranks connect to what is published and take it once that store holds the nonce. An
+    earlier round's address refuses (its rank 0 was stopped before this round began) or holds
+    another nonce, so they read the key again until this round's rank 0 has published.
+
+    Raises:
+        ConfigError: rank 0 cannot listen on ``MASTER_ADDR``.
+        DistributedError: the agent's store cannot be reached, or no store of this round was
+            published within ``timeout_s``.
+    """
+    host, agent_port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
+    deadline = time.monotonic() + timeout_s
+    agent = connect_store(host, agent_port, info.world_size, timeout_s)
+    timeout = datetime.timedelta(seconds=timeout_s)
+    if info.rank == 0:
+        multi_node = info.world_size > info.local_world_size
+        serve_on = host if multi_node else "127.0.0.1"
+        check_store_address(serve_on, multi_node=multi_node)
+        listener = listening_socket(serve_on, 0)
+        port = listener.getsockname()[1]
+        server = dist.TCPStore(
+            serve_on,
+            port,
+            info.world_size,
+            is_master=True,
+            timeout=timeout,
+            wait_for_workers=False,
+            master_listen_fd=listener.detach(),
+            use_libuv=True,
+        )
+        nonce = secrets.token_hex(8)
+        server.set(_ROUND_NONCE_KEY, nonce)
+        agent.set(ROUND_STORE_KEY, f"{serve_on} {port} {nonce}")
+        return server
+    while time.monotonic() < deadline:
+        if agent.check([ROUND_STORE_KEY]):
+            serve_on, port, nonce = agent.get(ROUND_STORE_KEY).decode().split()
+            client = _round_client(serve_on, int(port), nonce, info.world_size)
+            if client is not None:
+                client.set_timeout(timeout)
+                return client
+        time.sleep(poll_s)
+    raise DistributedError(
+        f"rank {info.rank}: rank 0 published no store for this round in torchrun's store at "
+        f"{host}:{agent_port} within {timeout_s:g} s: it did not start, or failed before (its "
+        "own error says why)."
+    )
+
+
+def _round_client(host: str, port: int, nonce: str, world_size: int) -> dist.TCPStore | None:
+    """A client of the store at ``host:port`` if it holds ``nonce``; else None (an earlier
+    round's store: gone, or another)."""
+    try:
+        client = connect_store(host, port, world_size, timeout_s=1.0)
+    except DistributedError:
+        return None
+    if client.check([_ROUND_NONCE_KEY]) and client.get(_ROUND_NONCE_KEY).decode() == nonce:
+        return client
+    return None
+
+
 def connect_store(host: str, port: int, world_size: int, timeout_s: float) -> dist.TCPStore:
     """A client of the TCPStore at ``host:port``, retrying until ``timeout_s``.
 
