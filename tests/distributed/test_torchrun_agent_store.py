@@ -4,38 +4,59 @@ torch's agent store lives as long as the agents and keeps every key across rende
 and a round restarted for a node waiting to join keeps ``TORCHELASTIC_RESTART_COUNT``. A round's
 workers must not meet the previous round's keys (they claimed the same ranks). Here the test
 process plays the agent (a TCPStore server on loopback, as torchrun's rank-0 agent hosts it) and
-two rounds of 2 ranks with the same restart count run against it, one after the other.
+rounds of 2 ranks with the same restart count run against it, one after the other; in the later
+rounds rank 0 starts 1 s late, so rank 1 reads an earlier round's entry first.
 """
 
 from __future__ import annotations
 
 import datetime
 import os
+import time
 
 import torch.distributed as dist
 
 import ddpkit
+from ddpkit.runtime.rendezvous import PREFIX, ROUND_STORE_KEY
 from ddpkit.testing import run_distributed
 
+EXPECTED = ["rank 0 sum 2.0", "rank 1 sum 2.0"]
 
-def _one_round(_file_store, agent_port: int) -> str:
+
+def _one_round(_file_store, agent_port: int, rank0_delay_s: float) -> str:
     os.environ.update(
         MASTER_ADDR="127.0.0.1",
         MASTER_PORT=str(agent_port),
         TORCHELASTIC_USE_AGENT_STORE="True",
         TORCHELASTIC_RESTART_COUNT="0",
     )
+    if os.environ["RANK"] == "0":
+        time.sleep(rank0_delay_s)
     with ddpkit.init_runtime("gloo", init_timeout_s=20) as rt:
         return f"rank {rt.rank} sum {ddpkit.all_reduce_sum([1.0], rt).item()}"
 
 
+def _store(port: int = 0) -> dist.TCPStore:
+    timeout = datetime.timedelta(seconds=30)
+    return dist.TCPStore("127.0.0.1", port, is_master=True, timeout=timeout, use_libuv=True)
+
+
+def _round(agent: dist.TCPStore, rank0_delay_s: float = 0.0) -> list[str]:
+    args = (agent.port, rank0_delay_s)
+    return run_distributed(_one_round, 2, args=args, init=False, timeout_s=60)
+
+
 def test_a_second_round_with_the_same_restart_count_starts_clean():
-    agent = dist.TCPStore(
-        "127.0.0.1", 0, is_master=True, timeout=datetime.timedelta(seconds=30), use_libuv=True
-    )
-    expected = ["rank 0 sum 2.0", "rank 1 sum 2.0"]
-    first = run_distributed(_one_round, 2, args=(agent.port,), init=False, timeout_s=60)
-    assert first == expected
-    # the first round's workers are gone; their keys (and rank 0's store address) stay
-    second = run_distributed(_one_round, 2, args=(agent.port,), init=False, timeout_s=60)
-    assert second == expected
+    agent = _store()
+    assert _round(agent) == EXPECTED
+    # the first round's workers are gone; their claims and rank 0's entry (a dead port) stay
+    assert _round(agent, rank0_delay_s=1.0) == EXPECTED
+    assert not agent.check([f"{PREFIX}/count"])  # the claims live in each round's own store
+
+
+def test_an_entry_whose_port_holds_another_store_is_not_taken():
+    agent, decoy = _store(), _store()
+    decoy.set("ddpkit/round_nonce", "0123456789abcdef")  # a live store, another round's nonce
+    agent.set(ROUND_STORE_KEY, f"{decoy.port} 0123456789abcdef-")
+    assert _round(agent, rank0_delay_s=1.0) == EXPECTED
+    assert not decoy.check([f"{PREFIX}/count"])  # nobody joined the decoy

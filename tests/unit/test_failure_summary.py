@@ -77,6 +77,11 @@ def test_a_survivor_sigkilled_after_a_native_crash_is_the_stop_not_a_second_caus
     assert lines[1].startswith("ddpkit run: hint: the ranks' collectives do not match: rank 0")
     assert "SIGKILL" not in text and "out-of-memory" not in text, text
     assert lines[-1].endswith("a restart would fail the same way.")
+    # With the kernel's evidence of an out-of-memory kill it stays a cause, listed first.
+    oom = {1: "the kernel's out-of-memory killer ended rank 1 (pid 7); kernel log: '...'"}
+    killed = summarize_failure([], {0: -6, 1: -9}, spec, {0: ABORTED_TAIL}, kill_hints=oom)
+    assert killed[0].startswith("ddpkit run: first failure: rank 0/2 aborted (SIGABRT)")
+    assert "rank 1/2 died from signal SIGKILL" in killed[1] and killed[2].endswith(oom[1])
     # Alone, a SIGKILL is still the cause, with its hint.
     alone = summarize_failure([], {1: -9, 0: -15}, spec, kill_hints=oom_hint)
     assert alone[0].startswith("ddpkit run: first failure: rank 1/2 died from signal SIGKILL")

@@ -164,12 +164,15 @@ class OomWatch:
         }
 
 
+OOM_EVIDENCE = "the kernel's out-of-memory killer"  # how a hint with the kernel's evidence begins
+
+
 def _verdict(watch: OomWatch, rank: int, pid: int, kernel: tuple[str, str] | None) -> str:
     """Whether the out-of-memory killer ended ``rank``, and on what evidence."""
     who = f"rank {rank} (pid {pid})" if pid else f"rank {rank}"
     if kernel is not None:
         said = kernel[0].split(" total-vm")[0]
-        return f"the kernel's out-of-memory killer ended {who}; kernel log: '{said}'"
+        return f"{OOM_EVIDENCE} ended {who}; kernel log: '{said}'"
     now = oom_kill_counts()
     decisive = watch.decisive
     if decisive is not None and now.get(decisive) == watch.counts[decisive]:
@@ -179,7 +182,7 @@ def _verdict(watch: OomWatch, rank: int, pid: int, kernel: tuple[str, str] | Non
     if rose:
         path, before, after = min(rose, key=lambda r: _PREFERENCE.index(Path(r[0]).name))
         return (
-            f"the kernel's out-of-memory killer ran during the job (oom_kill in {path}: "
+            f"{OOM_EVIDENCE} ran during the job (oom_kill in {path}: "
             f"{before} -> {after}) and most likely ended {who}; {look}"
         )
     return (

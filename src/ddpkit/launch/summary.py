@@ -17,12 +17,14 @@ from typing import TYPE_CHECKING
 
 from ddpkit.diagnostics.failures import FailureRecord
 from ddpkit.diagnostics.peers import LOST_PEER, PEER_ENDED, TOLD_ENDED, mentions
+from ddpkit.launch.oom import OOM_EVIDENCE
 from ddpkit.watchdog.position import short_path
 
 if TYPE_CHECKING:
     from ddpkit.launch.launcher import LaunchSpec
 
 WATCHDOG_TYPES = ("StallError", "DeadlockError")
+NATIVE_CRASHES = ("SIGABRT", "SIGSEGV", "SIGBUS", "SIGFPE", "SIGILL", "SIGTRAP")
 _GLOO_MISMATCH = re.compile(
     r"op\.preamble\.length <= op\.nbytes\. (\d+) vs (\d+)\. Received data size doesn't match"
 )
@@ -129,16 +131,22 @@ def summarize_failure(
     signals = {rank: signal.Signals(-code).name for rank, code in unrecorded.items() if code < 0}
     # SIGTERM is how torchrun stops the survivors (SIGKILL when they do not stop); count it as
     # a cause only if nothing else is. After a watchdog report or a rank's native crash
-    # (SIGABRT, SIGSEGV, ...), a SIGKILL is that stop too: a survivor stuck in a collective.
+    # (SIGABRT, SIGSEGV, ...), a SIGKILL is that stop too (a survivor stuck in a collective),
+    # unless the kernel says its out-of-memory killer sent it.
     watchdog = any(r.type in WATCHDOG_TYPES for r in records)
-    native = any(name not in ("SIGTERM", "SIGKILL") for name in signals.values())
+    native = any(name in NATIVE_CRASHES for name in signals.values())
     stopping = {"SIGTERM", "SIGKILL"} if watchdog or native else {"SIGTERM"}
-    crashed = {rank: name for rank, name in signals.items() if name not in stopping}
+    hints = kill_hints or {}
+    crashed = {
+        rank: name
+        for rank, name in signals.items()
+        if name not in stopping or hints.get(rank, "").startswith(OOM_EVIDENCE)
+    }
     if not crashed and not records:
         crashed = signals
     crashes = {rank: read_native_crash((tails or {}).get(rank, "")) for rank in crashed}
     for rank, name in sorted(crashed.items()):
-        lines += _crash_lines(rank, name, crashes[rank], label, spec.nproc, kill_hints or {})
+        lines += _crash_lines(rank, name, crashes[rank], label, spec.nproc, hints)
     mismatch = any(crash.mismatch for crash in crashes.values())
     if records:
         lines += _first_record_lines(records[0], label, bool(crashed), mismatch, finished)

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import datetime
 import errno
+import ipaddress
 import json
 import os
 import secrets
@@ -132,11 +133,16 @@ def make_store(info: ProcessInfo, timeout_s: float) -> dist.TCPStore:
     if info.rank != 0:
         return connect_store(host, port, info.world_size, timeout_s)
     check_store_address(host, multi_node=info.world_size > info.local_world_size)
+    return _serve_store(host, port, info.world_size, timeout_s)
+
+
+def _serve_store(host: str, port: int, world_size: int, timeout_s: float) -> dist.TCPStore:
+    """Rank 0's TCPStore, listening on ``host``'s address only (``port`` 0: a free one)."""
     listener = listening_socket(host, port)
     return dist.TCPStore(
         host,
-        port,
-        info.world_size,
+        listener.getsockname()[1],
+        world_size,
         is_master=True,
         timeout=datetime.timedelta(seconds=timeout_s),
         wait_for_workers=False,  # join() waits, and says who is missing
@@ -145,7 +151,7 @@ def make_store(info: ProcessInfo, timeout_s: float) -> dist.TCPStore:
     )
 
 
-ROUND_STORE_KEY = "ddpkit/round_store"  # in torchrun's agent store: "HOST PORT NONCE"
+ROUND_STORE_KEY = "ddpkit/round_store"  # in torchrun's agent store: "PORT NONCE"
 _ROUND_NONCE_KEY = "ddpkit/round_nonce"  # in the round's own store
 
 
@@ -156,66 +162,76 @@ def round_store(info: ProcessInfo, timeout_s: float, poll_s: float = 0.1) -> dis
     agents' TCPStore, which keeps every key across rounds, and a round restarted for a node
     waiting to join keeps ``TORCHELASTIC_RESTART_COUNT``: the new workers would meet the
     previous round's rank claims (and gloo its addresses, pytorch/pytorch#135712). So rank 0
-    serves a store of its own for the round (on 127.0.0.1 for one node, else on ``MASTER_ADDR``,
-    its own address; a free port) and publishes ``"HOST PORT NONCE"`` in the agent store; the
-    other ranks connect to what is published and take it once that store holds the nonce. An
-    earlier round's address refuses (its rank 0 was stopped before this round began) or holds
-    another nonce, so they read the key again until this round's rank 0 has published.
+    serves a store of its own for the round on a free port and publishes ``"PORT NONCE"`` in
+    the agent store; the other ranks connect to that port (on 127.0.0.1 for one node, else at
+    ``MASTER_ADDR``, the name that reached the agent store, hosted on rank 0's node) and take
+    it once it holds the nonce. An earlier round's entry is skipped: its store is gone
+    (torchrun stops a round's workers before the next rendezvous) or, its port reused, holds
+    another nonce. Rank 0 listens on 127.0.0.1 for one node, else on ``MASTER_ADDR``'s address;
+    if that name resolves to loopback on rank 0's node (Debian's 127.0.1.1 for the host name)
+    the other nodes reach it through another address, so it listens on every interface, as
+    torchrun's own store does, and says so.
 
     Raises:
-        ConfigError: rank 0 cannot listen on ``MASTER_ADDR``.
+        ConfigError: rank 0 cannot listen.
         DistributedError: the agent's store cannot be reached, or no store of this round was
             published within ``timeout_s``.
     """
     host, agent_port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
     deadline = time.monotonic() + timeout_s
     agent = connect_store(host, agent_port, info.world_size, timeout_s)
-    timeout = datetime.timedelta(seconds=timeout_s)
+    multi_node = info.world_size > info.local_world_size
     if info.rank == 0:
-        multi_node = info.world_size > info.local_world_size
-        serve_on = host if multi_node else "127.0.0.1"
-        check_store_address(serve_on, multi_node=multi_node)
-        listener = listening_socket(serve_on, 0)
-        port = listener.getsockname()[1]
-        server = dist.TCPStore(
-            serve_on,
-            port,
-            info.world_size,
-            is_master=True,
-            timeout=timeout,
-            wait_for_workers=False,
-            master_listen_fd=listener.detach(),
-            use_libuv=True,
-        )
+        server = _serve_store(_round_address(host, multi_node), 0, info.world_size, timeout_s)
         nonce = secrets.token_hex(8)
         server.set(_ROUND_NONCE_KEY, nonce)
-        agent.set(ROUND_STORE_KEY, f"{serve_on} {port} {nonce}")
+        agent.set(ROUND_STORE_KEY, f"{server.port} {nonce}")
         return server
+    connect_to = host if multi_node else "127.0.0.1"
+    skipped = ""
     while time.monotonic() < deadline:
-        if agent.check([ROUND_STORE_KEY]):
-            serve_on, port, nonce = agent.get(ROUND_STORE_KEY).decode().split()
-            client = _round_client(serve_on, int(port), nonce, info.world_size)
+        entry = agent.get(ROUND_STORE_KEY).decode() if agent.check([ROUND_STORE_KEY]) else ""
+        if entry and entry != skipped:
+            port, nonce = entry.split()
+            client = _round_client(connect_to, int(port), nonce, info.world_size)
             if client is not None:
-                client.set_timeout(timeout)
+                client.set_timeout(datetime.timedelta(seconds=timeout_s))
                 return client
+            skipped = entry  # an earlier round's: read again until rank 0 publishes
         time.sleep(poll_s)
     raise DistributedError(
         f"rank {info.rank}: rank 0 published no store for this round in torchrun's store at "
-        f"{host}:{agent_port} within {timeout_s:g} s: it did not start, or failed before (its "
-        "own error says why)."
+        f"{host}:{agent_port} within {timeout_s:g} s (last entry: {skipped or 'none'}): it did "
+        "not start, or failed before (its own error says why)."
     )
+
+
+def _round_address(host: str, multi_node: bool) -> str:
+    """Where rank 0 serves a round's store (see :func:`round_store`)."""
+    if not multi_node:
+        return "127.0.0.1"
+    address = check_store_address(host, multi_node=True)
+    if not ipaddress.ip_address(address).is_loopback:
+        return address
+    get_logger("rendezvous").warning(
+        "MASTER_ADDR=%s resolves to %s on rank 0's node, which the other nodes cannot reach: "
+        "the job's store listens on every interface, as torchrun's does (torchrun "
+        "--local-addr ADDRESS avoids it)",
+        host,
+        address,
+    )
+    return "0.0.0.0"
 
 
 def _round_client(host: str, port: int, nonce: str, world_size: int) -> dist.TCPStore | None:
     """A client of the store at ``host:port`` if it holds ``nonce``; else None (an earlier
-    round's store: gone, or another)."""
+    round's store: gone, or its port reused)."""
     try:
         client = connect_store(host, port, world_size, timeout_s=1.0)
-    except DistributedError:
+        found = client.get(_ROUND_NONCE_KEY) if client.check([_ROUND_NONCE_KEY]) else b""
+    except (DistributedError, RuntimeError):  # refused, reset, timed out: not this round's
         return None
-    if client.check([_ROUND_NONCE_KEY]) and client.get(_ROUND_NONCE_KEY).decode() == nonce:
-        return client
-    return None
+    return client if found.decode() == nonce else None
 
 
 def connect_store(host: str, port: int, world_size: int, timeout_s: float) -> dist.TCPStore:
