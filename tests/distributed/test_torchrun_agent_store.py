@@ -11,13 +11,14 @@ rounds rank 0 starts 1 s late, so rank 1 reads an earlier round's entry first.
 from __future__ import annotations
 
 import datetime
+import logging
 import os
 import time
 
 import torch.distributed as dist
 
 import ddpkit
-from ddpkit.runtime.rendezvous import PREFIX, ROUND_STORE_KEY
+from ddpkit.runtime.rendezvous import PREFIX, ROUND_STORE_KEY, _round_address
 from ddpkit.testing import run_distributed
 
 EXPECTED = ["rank 0 sum 2.0", "rank 1 sum 2.0"]
@@ -60,3 +61,13 @@ def test_an_entry_whose_port_holds_another_store_is_not_taken():
     agent.set(ROUND_STORE_KEY, f"{decoy.port} 0123456789abcdef-")
     assert _round(agent, rank0_delay_s=1.0) == EXPECTED
     assert not decoy.check([f"{PREFIX}/count"])  # nobody joined the decoy
+
+
+def test_where_rank_0_serves_a_round(caplog):
+    assert _round_address("localhost", multi_node=False) == "127.0.0.1"
+    # several nodes, and the node's name resolves to loopback here (Debian's 127.0.1.1):
+    # the other nodes reach rank 0 through another address, so every interface, said once
+    with caplog.at_level(logging.WARNING):
+        assert _round_address("127.0.0.1", multi_node=True) == "0.0.0.0"
+    assert "MASTER_ADDR=127.0.0.1 resolves to 127.0.0.1 on rank 0's node" in caplog.text
+    assert "torchrun --local-addr ADDRESS avoids it" in caplog.text
