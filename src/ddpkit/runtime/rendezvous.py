@@ -200,9 +200,10 @@ def round_store(info: ProcessInfo, timeout_s: float, poll_s: float = 0.1) -> dis
             skipped = entry  # an earlier round's: read again until rank 0 publishes
         time.sleep(poll_s)
     raise DistributedError(
-        f"rank {info.rank}: rank 0 published no store for this round in torchrun's store at "
-        f"{host}:{agent_port} within {timeout_s:g} s (last entry: {skipped or 'none'}): it did "
-        "not start, or failed before (its own error says why)."
+        f"rank {info.rank}: rank 0 did not reach init_runtime within {timeout_s:g} s (it "
+        f"publishes this round's store in torchrun's store at {host}:{agent_port}; last entry "
+        f"seen: {skipped or 'none'}): it is slow or stuck before it, did not start, or failed "
+        "(its own output says why)."
     )
 
 
