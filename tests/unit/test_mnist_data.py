@@ -56,6 +56,20 @@ def test_shared_files_load_with_expected_shapes(mnist_dir):
     assert abs(float(images.mean())) < 0.1  # normalized with the MNIST mean/std
 
 
+def test_images_are_bitwise_the_normalization_formula(mnist_dir):
+    # the split is normalized in place (one float32 copy, not four); its values must be bitwise
+    # those of the formula written out, which resumes and cross-run comparisons rely on
+    import torch
+
+    mean, std = mnist_data.MNIST_MEAN, mnist_data.MNIST_STD
+    raw = gzip.decompress((mnist_dir / "t10k-images-idx3-ubyte.gz").read_bytes())
+    pixels = np.frombuffer(raw, np.uint8, offset=16).reshape(10000, 1, 28, 28)
+    formula = (torch.from_numpy(pixels.astype(np.float32) / 255.0) - mean) / std
+    images = load_idx_split(mnist_dir, "test").tensors[0]
+    assert images.dtype == torch.float32 and images.is_contiguous()
+    assert torch.equal(images, formula)
+
+
 def test_truncated_file_is_named_with_its_expected_hash(mnist_dir, tmp_path):
     for path in mnist_dir.glob("*.gz"):
         shutil.copy(path, tmp_path)

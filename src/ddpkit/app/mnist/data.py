@@ -173,8 +173,13 @@ def load_idx_split(directory: Path, split: str, verify: bool = True) -> TensorDa
             f"MNIST {split} images {images.shape} and labels {labels.shape} do not match in "
             f"{directory}. Expected (N, 28, 28) images and (N,) labels."
         )
-    x = torch.from_numpy(images.astype(np.float32) / 255.0).unsqueeze(1)
-    return TensorDataset((x - MNIST_MEAN) / MNIST_STD, torch.from_numpy(labels.astype(np.int64)))
+    # in place: one float32 copy of the images instead of four (60,000 images: 188 MB each);
+    # the same operations in the same order, so the values are bitwise those of
+    # ``(images / 255.0 - MNIST_MEAN) / MNIST_STD``
+    x = images.astype(np.float32)
+    x /= 255.0
+    normalized = torch.from_numpy(x).unsqueeze(1).sub_(MNIST_MEAN).div_(MNIST_STD)
+    return TensorDataset(normalized, torch.from_numpy(labels.astype(np.int64)))
 
 
 def verify_files(directory: Path) -> None:
