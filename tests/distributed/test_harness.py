@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+import signal
 import time
 
 import pytest
@@ -41,6 +43,41 @@ def test_harness_timeout_names_the_ranks_still_running():
         DistributedTestError, match=r"timed out after 12 s; ranks still running: \[1\]"
     ):  # rank 0 starts, joins and returns in ~5 s on a loaded 2-core machine
         run_distributed(_rank_one_hangs, 2, timeout_s=12)
+
+
+def _rank_one_starts_a_child_and_waits(runtime, pid_file: str):
+    """Rank 1 starts a process of its own (as a DataLoader worker would) and hangs; rank 0
+    fails once that process runs."""
+    import subprocess
+    from pathlib import Path
+
+    if runtime.rank == 1:
+        child = subprocess.Popen(["sleep", "600"])
+        Path(pid_file).write_text(str(child.pid))
+        while True:
+            time.sleep(0.05)
+    while not Path(pid_file).exists():
+        time.sleep(0.01)
+    raise KeyError("missing-shard")
+
+
+def test_a_killed_ranks_own_processes_die_with_it(tmp_path):
+    # a DataLoader worker stuck in a fork deadlock (CPython gh-112275, Python <= 3.11.9) outlived
+    # its rank, which the harness had killed, and stayed for good: every rank leads a process
+    # group, and the harness kills the groups
+    from tests.helpers import pid_alive
+
+    pid_file = tmp_path / "child.pid"
+    with pytest.raises(DistributedTestError, match="KeyError: 'missing-shard'"):
+        run_distributed(_rank_one_starts_a_child_and_waits, 2, args=(str(pid_file),))
+    child = int(pid_file.read_text())
+    deadline = time.monotonic() + 10
+    while pid_alive(child) and time.monotonic() < deadline:  # SIGKILL is not instant
+        time.sleep(0.05)
+    alive = pid_alive(child)
+    if alive:
+        os.kill(child, signal.SIGKILL)
+    assert not alive, "the rank's child outlived the run"
 
 
 def _backend_and_device(runtime):

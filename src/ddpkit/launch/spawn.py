@@ -22,17 +22,21 @@ What it guarantees:
 - three nested timeouts: the process group's (``pg_timeout_s``), the harness's (``timeout_s``,
   which kills every rank), and pytest-timeout above both;
 - the first failure (an exception, or a process that died) kills every rank at once and raises
-  :class:`DistributedTestError` holding each failed rank's traceback;
+  :class:`DistributedTestError` holding each failed rank's traceback; each rank leads a process
+  group of its own, and the group is killed with it, so what a rank started (DataLoader workers,
+  a subprocess) does not outlive the run;
 - workers leave through ddpkit's shutdown path, so the gloo exit-time abort cannot flake a test.
 """
 
 from __future__ import annotations
 
+import contextlib
 import multiprocessing as mp
 import multiprocessing.forkserver
 import os
 import pickle
 import shutil
+import signal
 import tempfile
 import time
 import traceback
@@ -103,6 +107,7 @@ def _worker(
 ) -> None:
     from ddpkit.launch.worker import shutdown_and_exit
 
+    os.setpgid(0, 0)  # a group of its own: _kill_all ends what it starts too
     if parent_env is not None:  # forked from the forkserver: take the caller's, not its, state
         os.environ.clear()
         os.environ.update(parent_env)
@@ -147,9 +152,13 @@ def _worker(
 
 
 def _kill_all(procs: list[mp.process.BaseProcess]) -> None:
+    """SIGKILL every rank and its process group: a DataLoader worker of a rank lives on
+    otherwise, for good where it hangs (a child stuck in ``os.fork()``, CPython gh-112275)."""
     for proc in procs:
-        if proc.is_alive():
-            proc.kill()
+        if proc.is_alive():  # not reaped: its pid, and so its group's id, are still its own
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(cast(int, proc.pid), signal.SIGKILL)
+            proc.kill()  # killed before it made its group
     for proc in procs:
         proc.join(timeout=10)
 
