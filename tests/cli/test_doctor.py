@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import json
 import socket
+from dataclasses import asdict
 
 import pytest
 import torch
 
+from ddpkit.launch.doctor import check_python_fork
 from tests.helpers import run_cli
 
 
@@ -38,6 +40,7 @@ def test_doctor_reports_and_names_failed_checks():
     assert checks["loopback_allreduce"]["ok"] is True
     assert checks["master_reachable"]["ok"] is True
     assert checks["port_free"]["ok"] is False and str(port) in checks["port_free"]["detail"]
+    assert checks["python_fork"] == asdict(check_python_fork())  # a warning on 3.11.7
     assert checks["gloo_tls"]["ok"] in (True, None)  # stock wheels: None, "not in this build"
     assert report["failed"] == ["port_free"]
     assert result.stderr.strip() == "ddpkit doctor: failed checks: port_free"

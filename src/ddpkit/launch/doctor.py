@@ -142,6 +142,40 @@ def check_open_files() -> Check:
     return Check("open_file_limit", ok, f"soft {soft}, hard {hard}{hint}")
 
 
+# The first release of each branch with CPython's fix for gh-112275 (a child forked while
+# another thread creates its Python thread state waits forever on the interpreter's thread-list
+# lock): the release notes of 3.8.20, 3.9.20, 3.10.15 and 3.11.10; 3.12 has it from 3.12.0.
+FORK_FIXED_IN = {(3, 8): (3, 8, 20), (3, 9): (3, 9, 20), (3, 10): (3, 10, 15), (3, 11): (3, 11, 10)}
+
+
+def check_python_fork(version: tuple[int, ...] | None = None) -> Check:
+    """Whether this Python has CPython's fix for the fork deadlock gh-112275 (a warning if not).
+
+    Without it, a process forked while another thread enters Python for the first time (gloo's
+    and NCCL's threads do, when they drop a tensor that Python owns) can hang in ``os.fork()``
+    for good: a DataLoader worker (Linux's default start method is ``fork``) that never starts,
+    so its rank waits for its first batch. Not a collective; starts no process.
+
+    Args:
+        version: (major, minor, micro); this interpreter's when ``None``.
+    """
+    version = tuple(version or sys.version_info[:3])
+    text = ".".join(map(str, version))
+    fixed = FORK_FIXED_IN.get((version[0], version[1]))
+    if fixed is None or version >= fixed:
+        return Check(
+            "python_fork", True, f"Python {text} has CPython's fix for the fork deadlock gh-112275"
+        )
+    return Check(
+        "python_fork",
+        None,
+        f"Python {text}: a DataLoader worker (or any process) forked while a gloo or NCCL thread "
+        "enters Python can hang for good at its start (CPython gh-112275), and its rank with it; "
+        f"upgrade to Python {'.'.join(map(str, fixed))} or later, or pass "
+        "multiprocessing_context='forkserver' to the DataLoader",
+    )
+
+
 TLS_PROBE = """
 import datetime, os, tempfile, torch.distributed as dist
 path = os.path.join(tempfile.mkdtemp(), "store")
@@ -169,7 +203,13 @@ def check_gloo_tls() -> Check:
 
 
 def run_checks(port: int | None = None, master: str | None = None) -> list[Check]:
-    checks = [check_loopback_allreduce(), check_shm(), check_open_files(), check_gloo_tls()]
+    checks = [
+        check_loopback_allreduce(),
+        check_python_fork(),
+        check_shm(),
+        check_open_files(),
+        check_gloo_tls(),
+    ]
     if port is not None:
         checks.append(check_port_free(port))
     if master is not None:
