@@ -485,3 +485,31 @@ def test_plain_torch_gives_the_same_validation_loop_only_a_timeout():
         results
     )
     assert not any("uneven" in r or "no_grad" in r for r in results), results
+
+
+def _rank_one_busy_past_the_timeout(runtime):
+    if runtime.rank == 1:
+        time.sleep(12)  # busy in its own code, not in a collective, past rank 0's timeout
+        return "slept"
+    try:
+        ddpkit.all_reduce_sum([1.0], runtime)
+    except ddpkit.DistributedError as exc:
+        return str(exc)
+    return "no error"
+
+
+@pytest.mark.slow
+def test_a_collective_timeout_names_where_a_heartbeating_peer_is():
+    # the collective's timeout (4 s) below the stall timeout (300 s, the default): the error
+    # said only "every rank's heartbeat is recent"; it now says where the late rank was
+    message, slept = run_distributed(
+        _rank_one_busy_past_the_timeout, 2, pg_timeout_s=4, timeout_s=60
+    )
+    assert slept == "slept" and "all_reduce failed on rank 0/2" in message, (slept, message)
+    found = re.search(
+        r"Every rank's heartbeat is recent; rank 1 was running \S*test_watchdog\.py:(\d+) "
+        r"\(in _rank_one_busy_past_the_timeout\) for (\d+) s at its last heartbeat",
+        message,
+    )
+    assert found, message
+    assert int(found.group(2)) >= 2, message  # the wait's own length, give or take a tick

@@ -45,10 +45,11 @@ import torch.distributed as dist
 from ddpkit.env import ProcessInfo
 from ddpkit.errors import ConfigError, DistributedError
 from ddpkit.log import get_logger
-from ddpkit.watchdog.position import Position, locate, sequence_number
+from ddpkit.watchdog.position import RUNNING, Position, locate, sequence_number
 from ddpkit.watchdog.stall_report import (
     StallReport,
     deadlock_report,
+    describe,
     find_deadlock,
     stall_report,
 )
@@ -365,7 +366,20 @@ class Watchdog:
         store_silent_s = time.monotonic() - self._store_ok_at
         if store_silent_s > silent_after_s and not self._fired:  # (busy reporting, not lost)
             parts.append(f"the rendezvous store has not answered for {store_silent_s:.0f} s")
-        return "; ".join(parts) or "every rank's heartbeat is recent"
+        return "; ".join(parts) or "; ".join(["every rank's heartbeat is recent", *self._busy()])
+
+    def _busy(self) -> list[str]:
+        """Where the other ranks that are not in a collective were at their last heartbeat:
+        ``"rank 1 was running train.py:40 (in load) for 30 s at its last heartbeat"``."""
+        found = []
+        for rank, beat in sorted(dict(self._beats).items()):  # a copy: the thread updates it
+            position = Position.from_json(beat)
+            if rank != self.info.rank and position.state == RUNNING:
+                found.append(
+                    f"rank {rank} was {describe(position, self.group_labels)} for "
+                    f"{beat.get('still_s', 0):.0f} s at its last heartbeat"
+                )
+        return found
 
     def _gather_stacks(self) -> dict[int, str]:
         # only where no request is up: a peer that found the same deadlock a moment earlier may
