@@ -63,8 +63,8 @@ def _rank_one_starts_a_child_and_waits(runtime, pid_file: str):
 
 def test_a_killed_ranks_own_processes_die_with_it(tmp_path):
     # a DataLoader worker stuck in a fork deadlock (CPython gh-112275, Python <= 3.11.9) outlived
-    # its rank, which the harness had killed, and stayed for good: every rank leads a process
-    # group, and the harness kills the groups
+    # its rank, which the harness had killed, and stayed for good: the harness now kills what
+    # is below a rank too
     from tests.helpers import pid_alive
 
     pid_file = tmp_path / "child.pid"
@@ -78,6 +78,15 @@ def test_a_killed_ranks_own_processes_die_with_it(tmp_path):
     if alive:
         os.kill(child, signal.SIGKILL)
     assert not alive, "the rank's child outlived the run"
+
+
+def _process_group_id(runtime) -> int:
+    return os.getpgrp()
+
+
+def test_ranks_stay_in_the_callers_process_group():
+    # so that killing the caller's group (a timeout's killpg, a CI cancel) ends the ranks too
+    assert run_distributed(_process_group_id, 2) == [os.getpgrp()] * 2
 
 
 def _backend_and_device(runtime):

@@ -122,6 +122,46 @@ def test_stuck_rank_is_named_with_its_stack(tmp_path):
     assert elapsed_s < 100  # far below the 600 s collective timeout
 
 
+LOADER_SCRIPT = """
+import os, time
+import torch
+import ddpkit
+
+class Stuck(torch.utils.data.Dataset):  # its worker never delivers (a worker hung at start)
+    def __len__(self):
+        return 4
+    def __getitem__(self, index):
+        rank = os.getppid()
+        while os.getppid() == rank:  # until its rank is gone: no process outlives the test
+            time.sleep(0.05)
+
+with ddpkit.init_runtime("gloo", train_timeout_s=600, stall_timeout_s=2) as rt:
+    ddpkit.all_reduce_sum([1.0], rt)
+    if rt.rank == 1:
+        loader = torch.utils.data.DataLoader(Stuck(), num_workers=1)
+        for batch in loader:
+            pass
+    ddpkit.all_reduce_sum([1.0], rt)
+"""
+
+
+@pytest.mark.slow
+def test_a_rank_waiting_for_a_stuck_dataloader_worker_is_named_as_such(tmp_path):
+    script = tmp_path / "loader.py"
+    script.write_text(textwrap.dedent(LOADER_SCRIPT))
+    result = run_cli(["-m", "ddpkit", "run", "-n", "2", str(script)], timeout_s=120)
+    out = result.output
+    assert result.returncode == 1, out
+    assert re.search(r"stall: rank 0 waited \d+ s in all_reduce at \S*loader.py:20", out), out
+    assert re.search(
+        r"rank 1: busy, waiting for a batch from its DataLoader's worker processes, at "
+        r"\S*loader.py:18",
+        out,
+    ), out
+    assert "Rank(s) 1 wait for their DataLoader's worker processes: a worker is slow, or" in out
+    assert "main_process_first" not in out.split("Rank(s) 1 wait for")[1].split("\n")[0]
+
+
 def test_no_watchdog_thread_in_a_single_process():
     info = ProcessInfo()
     with ddpkit.init_runtime("gloo", info=info) as rt:

@@ -3,14 +3,18 @@ finish; never for ranks in the same collective, a rank running code, or point-to
 
 from __future__ import annotations
 
+import os
 import sys
 import threading
+import time
 
 import pytest
+import torch
 
 from ddpkit.watchdog.position import (
     BACKWARD,
     COLLECTIVE,
+    DATALOADER_WAIT,
     RUNNING,
     WAITING,
     Position,
@@ -132,3 +136,97 @@ def test_a_stall_with_the_peer_blocked_in_ddps_forward_says_the_collectives_diff
     assert "if rank == 0:" in report.advice
     busy = stall_report(0, 2, _in("all_reduce"), 15.0, {1: (Position(RUNNING, "f"), None)})
     assert busy.advice == STALL_ADVICE  # a rank running code: rank 0 work may be legitimate
+
+
+class _Blocking(torch.utils.data.Dataset):
+    """Its one item blocks until ``release`` exists: a worker that never delivers a batch."""
+
+    def __init__(self, release: str) -> None:
+        self.release = release
+
+    def __len__(self) -> int:
+        return 1
+
+    def __getitem__(self, index: int) -> int:
+        while not os.path.exists(self.release):
+            time.sleep(0.01)
+        return index
+
+
+def test_a_thread_waiting_for_its_dataloaders_workers_is_located_there(tmp_path):
+    # a rank whose DataLoader worker is slow or stuck (one that hung in os.fork(), CPython
+    # gh-112275) waits in torch's _try_get_data, deep in multiprocessing and selectors
+    release = tmp_path / "release"
+    loader = torch.utils.data.DataLoader(
+        _Blocking(str(release)), num_workers=1, multiprocessing_context="fork"
+    )
+    started = threading.Event()
+
+    def user_loop():
+        started.set()
+        for _ in loader:  # THE LOOP
+            pass
+
+    thread = threading.Thread(target=user_loop)
+    thread.start()
+    started.wait()
+    try:
+        deadline = time.monotonic() + 60
+        while True:  # until the thread waits for the worker (its start takes a moment)
+            position = locate(sys._current_frames()[thread.ident], idle=True)
+            if position.op == DATALOADER_WAIT or time.monotonic() > deadline:
+                break
+            time.sleep(0.05)
+    finally:
+        release.touch()
+        thread.join(timeout=60)
+    assert position.state == RUNNING and not position.blocked  # no collective: never a deadlock
+    assert position.op == DATALOADER_WAIT, position
+    line = user_loop.__code__.co_firstlineno + 2
+    assert position.site == f"tests/unit/test_watchdog_verdicts.py:{line}"
+    assert describe(position) == (
+        f"waiting for a batch from its DataLoader's worker processes, at {position.site}"
+    )
+
+
+def test_a_stall_behind_a_rank_waiting_for_its_dataloader_says_so():
+    from ddpkit.watchdog.stall_report import STALL_ADVICE, stall_report
+
+    waiting = Position(RUNNING, DATALOADER_WAIT, site="train.py:40")
+    report = stall_report(0, 2, _in("all_reduce", site="train.py:25"), 300.0, {1: (waiting, None)})
+    assert report.late_ranks == [1]
+    assert report.ranks[1] == (
+        "rank 1: busy, waiting for a batch from its DataLoader's worker processes, at train.py:40"
+    )
+    assert report.advice.startswith(
+        "Rank(s) 1 wait for their DataLoader's worker processes: a worker is slow, or stuck"
+    ), report.advice
+    assert "py-spy dump --pid" in report.advice and "ddpkit doctor" in report.advice
+    assert STALL_ADVICE not in report.advice  # not work the others legitimately wait for
+
+
+def test_a_timeout_names_the_ranks_stuck_outside_a_collective_at_most_three():
+    import torch.distributed as dist
+
+    from ddpkit.env import ProcessInfo
+    from ddpkit.watchdog.monitor import Watchdog
+
+    watchdog = Watchdog(dist.HashStore(), ProcessInfo(rank=0, world_size=7))
+    beats = {  # rank -> (position, seconds there at its last heartbeat)
+        1: (Position(RUNNING, "load", site="data.py:7"), 30.0),  # stuck in its own code
+        2: (Position(RUNNING, "augment", site="data.py:9"), 0.0),  # moving on: not named
+        3: (_in("all_reduce"), 30.0),  # in the collective too
+        4: (Position(RUNNING, DATALOADER_WAIT, site="train.py:40"), 12.0),
+        5: (Position(RUNNING, "save", site="ckpt.py:3"), 5.0),
+        6: (Position(RUNNING, "save", site="ckpt.py:3"), 5.0),
+    }
+    now = time.monotonic()
+    for rank, (position, still_s) in beats.items():
+        watchdog._beats[rank] = {**position.to_json(), "still_s": still_s}
+        watchdog._heard_at[rank] = now
+    assert watchdog.lost_contact() == (
+        "every rank's heartbeat is recent; rank 1 was running data.py:7 (in load) for 30 s at "
+        "its last heartbeat; rank 4 was waiting for a batch from its DataLoader's worker "
+        "processes, at train.py:40 for 12 s at its last heartbeat; rank 5 was running ckpt.py:3 "
+        "(in save) for 5 s at its last heartbeat; 1 more rank(s) likewise"
+    )

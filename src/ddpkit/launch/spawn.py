@@ -22,9 +22,8 @@ What it guarantees:
 - three nested timeouts: the process group's (``pg_timeout_s``), the harness's (``timeout_s``,
   which kills every rank), and pytest-timeout above both;
 - the first failure (an exception, or a process that died) kills every rank at once and raises
-  :class:`DistributedTestError` holding each failed rank's traceback; each rank leads a process
-  group of its own, and the group is killed with it, so what a rank started (DataLoader workers,
-  a subprocess) does not outlive the run;
+  :class:`DistributedTestError` holding each failed rank's traceback; a rank killed so takes
+  the processes it started (DataLoader workers, a subprocess) with it;
 - workers leave through ddpkit's shutdown path, so the gloo exit-time abort cannot flake a test.
 """
 
@@ -107,7 +106,6 @@ def _worker(
 ) -> None:
     from ddpkit.launch.worker import shutdown_and_exit
 
-    os.setpgid(0, 0)  # a group of its own: _kill_all ends what it starts too
     if parent_env is not None:  # forked from the forkserver: take the caller's, not its, state
         os.environ.clear()
         os.environ.update(parent_env)
@@ -152,15 +150,37 @@ def _worker(
 
 
 def _kill_all(procs: list[mp.process.BaseProcess]) -> None:
-    """SIGKILL every rank and its process group: a DataLoader worker of a rank lives on
-    otherwise, for good where it hangs (a child stuck in ``os.fork()``, CPython gh-112275)."""
+    """SIGKILL every rank still running, and the processes below it: a DataLoader worker of a
+    killed rank lives on otherwise, for good where it hangs (a child stuck in ``os.fork()``,
+    CPython gh-112275). A rank that already ended has no descendants to find: its children
+    then belong to init."""
     for proc in procs:
-        if proc.is_alive():  # not reaped: its pid, and so its group's id, are still its own
-            with contextlib.suppress(ProcessLookupError, PermissionError):
-                os.killpg(cast(int, proc.pid), signal.SIGKILL)
-            proc.kill()  # killed before it made its group
+        if proc.is_alive():  # not reaped: its pid, and its children's parent pid, are its own
+            below = _descendants(cast(int, proc.pid))
+            proc.kill()
+            for pid in below:
+                with contextlib.suppress(ProcessLookupError, PermissionError):
+                    os.kill(pid, signal.SIGKILL)
     for proc in procs:
         proc.join(timeout=10)
+
+
+def _descendants(pid: int) -> list[int]:
+    """Every process below ``pid`` (its children, theirs, ...), read from ``/proc`` (Linux);
+    ``[]`` elsewhere."""
+    parent_of: dict[int, int] = {}
+    with contextlib.suppress(OSError):
+        for entry in os.listdir("/proc"):
+            if entry.isdigit():
+                with contextlib.suppress(OSError, IndexError, ValueError):
+                    with open(f"/proc/{entry}/stat") as handle:
+                        parent_of[int(entry)] = int(handle.read().rsplit(")", 1)[1].split()[1])
+    found, frontier = [], [pid]
+    while frontier:
+        children = [child for child, parent in parent_of.items() if parent in frontier]
+        found += children
+        frontier = children
+    return found
 
 
 def run_distributed(

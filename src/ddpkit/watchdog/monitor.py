@@ -284,7 +284,7 @@ class Watchdog:
         silent_after_s = 2 * self.interval_s + 1
         return {
             rank: (Position.from_json(beat), float(beat.get("still_s", 0.0)))
-            for rank, beat in self._beats.items()
+            for rank, beat in dict(self._beats).items()  # a copy: the watchdog's thread writes it
             if rank != self.info.rank and (self.silent_s(rank) or 0.0) <= silent_after_s
         }
 
@@ -368,18 +368,19 @@ class Watchdog:
             parts.append(f"the rendezvous store has not answered for {store_silent_s:.0f} s")
         return "; ".join(parts) or "; ".join(["every rank's heartbeat is recent", *self._busy()])
 
-    def _busy(self) -> list[str]:
-        """Where the other ranks that are not in a collective were at their last heartbeat:
-        ``"rank 1 was running train.py:40 (in load) for 30 s at its last heartbeat"``."""
-        found = []
-        for rank, beat in sorted(dict(self._beats).items()):  # a copy: the thread updates it
-            position = Position.from_json(beat)
-            if rank != self.info.rank and position.state == RUNNING:
-                found.append(
-                    f"rank {rank} was {describe(position, self.group_labels)} for "
-                    f"{beat.get('still_s', 0):.0f} s at its last heartbeat"
-                )
-        return found
+    def _busy(self, limit: int = 3) -> list[str]:
+        """Where the other ranks outside a collective had stayed for two heartbeats or more at
+        their last one: ``"rank 1 was running train.py:40 (in load) for 30 s at its last
+        heartbeat"``; past ``limit`` ranks, one clause says how many more."""
+        stuck = [
+            f"rank {rank} was {describe(position, self.group_labels)} for {still_s:.0f} s at its "
+            "last heartbeat"
+            for rank, (position, still_s) in sorted(self._fresh_positions().items())
+            if position.state == RUNNING and position.site and still_s >= 2 * self.interval_s
+        ]
+        if len(stuck) > limit:
+            stuck = [*stuck[:limit], f"{len(stuck) - limit} more rank(s) likewise"]
+        return stuck
 
     def _gather_stacks(self) -> dict[int, str]:
         # only where no request is up: a peer that found the same deadlock a moment earlier may

@@ -32,6 +32,9 @@ _DISTRIBUTED = os.path.join(_TORCH_DIR, "distributed") + os.sep
 _C10D = os.path.join(_DISTRIBUTED, "distributed_c10d.py")
 _AUTOGRAD = os.path.join(_TORCH_DIR, "autograd", "graph.py")
 _DDP = os.path.join(_TORCH_DIR, "nn", "parallel", "distributed.py")
+_DATALOADER = os.path.join(_TORCH_DIR, "utils", "data", "dataloader.py")
+#: ``op`` of a thread waiting for its DataLoader's worker processes (torch's function it waits in)
+DATALOADER_WAIT = "_try_get_data"
 
 #: c10d functions that every rank of the group must enter (the object variants call these)
 COLLECTIVES = frozenset(
@@ -133,7 +136,20 @@ def locate(frame: FrameType | None, *, idle: bool) -> Position:
             return Position(WAITING, code.co_name, site=user_site(frame), via=_via(frame))
     elif code.co_filename == _AUTOGRAD and code.co_name == "_engine_run_backward" and idle:
         return Position(BACKWARD, "backward", site=user_site(frame), via=_via(frame))
-    return Position(RUNNING, code.co_name, site=user_site(frame))
+    op = DATALOADER_WAIT if _waits_for_dataloader_workers(frame) else code.co_name
+    return Position(RUNNING, op, site=user_site(frame))
+
+
+def _waits_for_dataloader_workers(frame: FrameType | None) -> bool:
+    """Whether the thread waits in torch's DataLoader for a batch from its worker processes
+    (``_try_get_data``, below it only the standard library: queues, pipes, ``select``)."""
+    while frame is not None and frame.f_code.co_filename.startswith((_STDLIB_DIR, "<frozen")):
+        frame = frame.f_back
+    return (
+        frame is not None
+        and frame.f_code.co_filename == _DATALOADER
+        and frame.f_code.co_name == DATALOADER_WAIT
+    )
 
 
 def _collective(frame: FrameType, state: str) -> Position:

@@ -14,7 +14,7 @@ from __future__ import annotations
 from collections import defaultdict
 from dataclasses import dataclass, field
 
-from ddpkit.watchdog.position import BACKWARD, COLLECTIVE, RUNNING, Position
+from ddpkit.watchdog.position import BACKWARD, COLLECTIVE, DATALOADER_WAIT, RUNNING, Position
 
 DEADLOCK_ADVICE = (
     "Every rank must call the same collectives in the same order, on the same group: a "
@@ -33,6 +33,13 @@ STALL_ADVICE = (
     "preprocessing), run it under `with rt.main_process_first():` (the others wait at its "
     "barrier without a stall report), or raise the threshold: init_runtime(stall_timeout_s=...), "
     "ddpkit train --stall-timeout."
+)
+DATALOADER_ADVICE = (
+    "Rank(s) {names} wait for their DataLoader's worker processes: a worker is slow, or stuck "
+    "(`py-spy dump --pid PID` on the rank's child processes shows where). A worker that died "
+    "would have raised in its rank; one whose stack under `gdb -p PID` ends in "
+    "PyOS_AfterFork_Child hung as it was forked, a CPython bug (gh-112275) that `ddpkit doctor` "
+    "warns of."
 )
 
 
@@ -97,6 +104,8 @@ def find_deadlock(positions: dict[int, Position], world_size: int) -> bool:
 def describe(position: Position, group_labels: dict[str, str] | None = None) -> str:
     """``all_reduce on the default group (ranks 0, 1), its collective #3, float32 (4,), called
     at train.py:12``; for running code ``running train.py:40 (in download)``."""
+    if position.state == RUNNING and position.op == DATALOADER_WAIT:
+        return f"waiting for a batch from its DataLoader's worker processes, at {position.site}"
     if position.state == RUNNING:
         return f"running {position.site} (in {position.op})"
     if position.state == BACKWARD:
@@ -182,7 +191,7 @@ def stall_report(
     Late ranks are the ones not blocked in this same collective: running, elsewhere, silent.
     """
     lines = [f"rank {rank}: {describe(mine, group_labels)} (waiting {waited_s:.0f} s)"]
-    late, elsewhere = [], []
+    late, elsewhere, loading = [], [], []
     for peer in sorted(peers):
         position, silent = peers[peer]
         if position is None:
@@ -197,6 +206,8 @@ def stall_report(
             continue
         elif position.state == RUNNING:
             lines.append(f"rank {peer}: busy, {describe(position, group_labels)}")
+            if position.op == DATALOADER_WAIT:
+                loading.append(peer)
         else:
             lines.append(f"rank {peer}: waiting elsewhere: {describe(position, group_labels)}")
             elsewhere.append(peer)
@@ -208,6 +219,8 @@ def stall_report(
             "Every rank is inside this collective and it does not finish: the network or the "
             "backend is stuck; see the stacks."
         )
+    elif loading == late:  # every late rank waits for its DataLoader's workers
+        advice = DATALOADER_ADVICE.format(names=names)
     elif elsewhere == late:  # nobody busy: blocked in code the watchdog cannot match
         advice = (
             f"Rank(s) {names} wait in other torch.distributed code, not in this collective: the "
