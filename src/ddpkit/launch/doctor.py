@@ -142,10 +142,10 @@ def check_open_files() -> Check:
     return Check("open_file_limit", ok, f"soft {soft}, hard {hard}{hint}")
 
 
-# The first release of each branch with CPython's fix for gh-112275 (a child forked while
-# another thread creates its Python thread state waits forever on the interpreter's thread-list
-# lock): the release notes of 3.8.20, 3.9.20, 3.10.15 and 3.11.10; 3.12 has it from 3.12.0.
-FORK_FIXED_IN = {(3, 8): (3, 8, 20), (3, 9): (3, 9, 20), (3, 10): (3, 10, 15), (3, 11): (3, 11, 10)}
+# The first release of each supported branch with CPython's fix for gh-112275 (a child forked
+# while another thread creates its Python thread state waits forever on the interpreter's
+# thread-list lock): the release notes of 3.10.15 and 3.11.10; 3.12 is not affected.
+FORK_FIXED_IN = {(3, 10): (3, 10, 15), (3, 11): (3, 11, 10)}
 
 
 def check_python_fork(version: tuple[int, ...] | None = None) -> Check:
