@@ -86,13 +86,19 @@ with ddpkit.init_runtime("gloo", train_timeout_s=600, stall_timeout_s=2) as rt:
 """
 
 
+def _failed_run(tmp_path, name: str, text: str) -> str:
+    """``ddpkit run -n 2`` of the script ``text`` (written as ``name``): its output, after
+    checking that the job failed."""
+    script = tmp_path / name
+    script.write_text(textwrap.dedent(text))
+    result = run_cli(["-m", "ddpkit", "run", "-n", "2", str(script)], timeout_s=120)
+    assert result.returncode == 1, result.output
+    return result.output
+
+
 @pytest.mark.slow
 def test_a_raw_collective_inside_a_user_block_is_seen(tmp_path):
-    script = tmp_path / "nested.py"
-    script.write_text(textwrap.dedent(NESTED_SCRIPT))
-    result = run_cli(["-m", "ddpkit", "run", "-n", "2", str(script)], timeout_s=120)
-    out = result.output
-    assert result.returncode == 1, out
+    out = _failed_run(tmp_path, "nested.py", NESTED_SCRIPT)
     # rank 0 waits in torch's own all_reduce (no marker of ddpkit's): named, with its line
     assert re.search(
         r"stall: rank 0 waited \d+ s in all_reduce at \S*nested.py:14; late rank\(s\): 1", out
@@ -103,13 +109,9 @@ def test_a_raw_collective_inside_a_user_block_is_seen(tmp_path):
 
 @pytest.mark.slow
 def test_stuck_rank_is_named_with_its_stack(tmp_path):
-    script = tmp_path / "stuck.py"
-    script.write_text(textwrap.dedent(STUCK_SCRIPT))
     start = time.monotonic()
-    result = run_cli(["-m", "ddpkit", "run", "-n", "2", str(script)], timeout_s=120)
+    out = _failed_run(tmp_path, "stuck.py", STUCK_SCRIPT)
     elapsed_s = time.monotonic() - start
-    out = result.output
-    assert result.returncode == 1, out
     headline = r"stall: rank 0 waited \d+ s in all_reduce at \S*stuck.py:12; late rank\(s\): 1\n"
     assert re.search(headline, out), out
     assert re.search(r"rank 1: busy, running \S*stuck.py:[56] \(in spin_forever\)", out), out
@@ -147,11 +149,7 @@ with ddpkit.init_runtime("gloo", train_timeout_s=600, stall_timeout_s=2) as rt:
 
 @pytest.mark.slow
 def test_a_rank_waiting_for_a_stuck_dataloader_worker_is_named_as_such(tmp_path):
-    script = tmp_path / "loader.py"
-    script.write_text(textwrap.dedent(LOADER_SCRIPT))
-    result = run_cli(["-m", "ddpkit", "run", "-n", "2", str(script)], timeout_s=120)
-    out = result.output
-    assert result.returncode == 1, out
+    out = _failed_run(tmp_path, "loader.py", LOADER_SCRIPT)
     assert re.search(r"stall: rank 0 waited \d+ s in all_reduce at \S*loader.py:20", out), out
     assert re.search(
         r"rank 1: busy, waiting for a batch from its DataLoader's worker processes, at "
