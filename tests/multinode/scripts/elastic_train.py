@@ -11,7 +11,8 @@ torchrun's restart count, the step ``resume()`` returned, when the process was c
 checkpoint's step), ``done``. STEP_S paces the loop (seconds per step), so a node can be lost
 mid-epoch; SHRUNK_STEP_S (default STEP_S) paces it while fewer than 3 ranks train, so that a
 node started again has time to join before the shrunk job ends; while ``OUT_DIR/hold`` exists
-that pace is 4 times slower (the test holds the shrunk job back while the node joins).
+either pace is 4 times slower (the test holds the job back while the node joins, and while it
+reads the rejoined job's sockets).
 Checkpoints go to ``OUT_DIR/checkpoints`` every 4 steps; a restarted process resumes from the
 newest one on whatever number of ranks the rendezvous gave it.
 """
@@ -72,6 +73,6 @@ with ddpkit.init_runtime("gloo", init_timeout_s=60, train_timeout_s=30) as rt:
             if ckpt.maybe_save(step) is not None:
                 note("saved", step=step)
             held = os.path.exists(os.path.join(OUT, "hold"))
-            time.sleep(STEP_S if rt.world_size >= 3 else SHRUNK_STEP_S * (4 if held else 1))
+            time.sleep((STEP_S if rt.world_size >= 3 else SHRUNK_STEP_S) * (4 if held else 1))
     note("done", step=step)
     print(f"rank {rt.rank} of {rt.world_size} done at step {step}", flush=True)
