@@ -97,24 +97,6 @@ def _on_cpu(run: Run, why: str) -> None:
         run.flags += ["--backend", "gloo"]
 
 
-def _descendants(pid: int) -> list[int]:
-    """``pid``'s descendants (from /proc): torchrun starts its workers in sessions of their own,
-    so killing the process group alone would miss them."""
-    parents: dict[int, int] = {}
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                with open(f"/proc/{entry}/stat") as handle:
-                    parents[int(entry)] = int(handle.read().rsplit(")", 1)[1].split()[1])
-            except (OSError, IndexError, ValueError):
-                continue
-    found, frontier = [], {pid}
-    while frontier:
-        frontier = {child for child, parent in parents.items() if parent in frontier}
-        found += sorted(frontier)
-    return found
-
-
 def _kill(pid: int) -> None:
     try:
         os.kill(pid, signal.SIGKILL)
@@ -132,7 +114,10 @@ def run_with_timeout(argv: list[str], run_dir: Path, timeout_s: float) -> tuple[
         try:
             code = proc.wait(timeout=timeout_s)
         except subprocess.TimeoutExpired:
-            for pid in _descendants(proc.pid):
+            from ddpkit.env import descendant_pids
+
+            # torchrun starts its workers in sessions of their own: the group alone misses them
+            for pid in descendant_pids(proc.pid):
                 _kill(pid)
             _kill(-proc.pid)
             proc.wait()

@@ -433,21 +433,10 @@ def _train(
 
 
 def _descendants(pid: int) -> set[int]:
-    parents = {}
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                parents[int(entry.name)] = int(
-                    (entry / "stat").read_text().rsplit(")", 1)[1].split()[1]
-                )
-            except (OSError, IndexError, ValueError):
-                continue
-    found = {pid}
-    while True:
-        more = {c for c, p in parents.items() if p in found} - found
-        if not more:
-            return found
-        found |= more
+    """``pid`` and every process below it."""
+    from ddpkit.env import descendant_pids
+
+    return {pid, *descendant_pids(pid)}
 
 
 def _is_worker(pid: int) -> bool:

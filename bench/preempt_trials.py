@@ -72,18 +72,10 @@ LINE = re.compile(
 
 
 def _tree(pid: int) -> set[int]:
-    parents = {}
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                stat = Path(f"/proc/{entry}/stat").read_text()
-                parents[int(entry)] = int(stat.rsplit(")", 1)[1].split()[1])
-            except (OSError, IndexError, ValueError):
-                continue
-    found = {pid}
-    while more := {c for c, p in parents.items() if p in found} - found:
-        found |= more
-    return found
+    """``pid`` and every process below it."""
+    from ddpkit.env import descendant_pids
+
+    return {pid, *descendant_pids(pid)}
 
 
 def _alive(pid: int) -> bool:

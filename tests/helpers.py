@@ -165,20 +165,9 @@ def pid_alive(pid: int) -> bool:
 
 def descendants(pid: int) -> set[int]:
     """``pid`` and every process below it (from /proc)."""
-    parents: dict[int, int] = {}
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                with open(f"/proc/{entry}/stat") as handle:
-                    parents[int(entry)] = int(handle.read().rsplit(")", 1)[1].split()[1])
-            except (FileNotFoundError, ProcessLookupError, IndexError):
-                continue
-    found = {pid}
-    while True:
-        more = {child for child, parent in parents.items() if parent in found} - found
-        if not more:
-            return found
-        found |= more
+    from ddpkit.env import descendant_pids
+
+    return {pid, *descendant_pids(pid)}
 
 
 def listening_sockets(pids: set[int]) -> list[tuple[str, int]]:

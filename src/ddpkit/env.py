@@ -15,6 +15,7 @@ did not export ``MASTER_ADDR``/``MASTER_PORT``.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 from collections.abc import Mapping
@@ -202,3 +203,21 @@ def slurm_rendezvous_defaults(
         if "GLOO_SOCKET_IFNAME" not in env:
             defaults["GLOO_SOCKET_IFNAME"] = "lo"
     return defaults
+
+
+def descendant_pids(pid: int) -> list[int]:
+    """Every process below ``pid`` (its children, theirs, ...), nearest first, read from
+    ``/proc`` (Linux; ``[]`` elsewhere). Not a collective. A process whose parent ended belongs
+    to init (or a subreaper) and is no longer found."""
+    parent_of: dict[int, int] = {}
+    with contextlib.suppress(OSError):
+        for entry in os.listdir("/proc"):
+            if entry.isdigit():
+                with contextlib.suppress(OSError, IndexError, ValueError):
+                    with open(f"/proc/{entry}/stat") as handle:
+                        parent_of[int(entry)] = int(handle.read().rsplit(")", 1)[1].split()[1])
+    found, frontier = [], {pid}
+    while frontier:
+        frontier = {child for child, parent in parent_of.items() if parent in frontier}
+        found += sorted(frontier)
+    return found

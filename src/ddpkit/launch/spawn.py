@@ -44,6 +44,7 @@ from pathlib import Path
 from typing import Any, cast
 
 import ddpkit
+from ddpkit.env import descendant_pids
 from ddpkit.runtime.hashseed import HASH_SEED_ENV, job_hash_seed
 
 # What the forkserver imports once, so every rank forked from it starts warm. torch._dynamo is
@@ -156,31 +157,13 @@ def _kill_all(procs: list[mp.process.BaseProcess]) -> None:
     then belong to init."""
     for proc in procs:
         if proc.is_alive():  # not reaped: its pid, and its children's parent pid, are its own
-            below = _descendants(cast(int, proc.pid))
+            below = descendant_pids(cast(int, proc.pid))
             proc.kill()
             for pid in below:
                 with contextlib.suppress(ProcessLookupError, PermissionError):
                     os.kill(pid, signal.SIGKILL)
     for proc in procs:
         proc.join(timeout=10)
-
-
-def _descendants(pid: int) -> list[int]:
-    """Every process below ``pid`` (its children, theirs, ...), read from ``/proc`` (Linux);
-    ``[]`` elsewhere."""
-    parent_of: dict[int, int] = {}
-    with contextlib.suppress(OSError):
-        for entry in os.listdir("/proc"):
-            if entry.isdigit():
-                with contextlib.suppress(OSError, IndexError, ValueError):
-                    with open(f"/proc/{entry}/stat") as handle:
-                        parent_of[int(entry)] = int(handle.read().rsplit(")", 1)[1].split()[1])
-    found, frontier = [], [pid]
-    while frontier:
-        children = [child for child, parent in parent_of.items() if parent in frontier]
-        found += children
-        frontier = children
-    return found
 
 
 def run_distributed(
